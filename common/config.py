@@ -1,0 +1,108 @@
+"""cluster.yaml as one typed, frozen tree, validated before anything starts.
+
+Every key is declared here with its default; an unknown key, a wrong type or an out-of-range value is
+rejected with the key's path (`kv_cache.block_size`) and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+ZmqAddress = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class FrontendConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    processes: Positive = 1  # several processes share the port, so one event loop is not the ceiling
+    api_key: str | None = None
+
+
+class OrchestratorConfig(_Section):
+    address: ZmqAddress = "tcp://127.0.0.1:5550"
+    router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
+    max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 0  # shorter prompts skip P/D
+
+
+class ContextWorkersConfig(_Section):
+    count: Positive = 1
+    max_num_batched_tokens: Positive = 2048
+
+
+class GenerationWorkersConfig(_Section):
+    count: Positive = 1
+    max_num_seqs: Positive = 64
+    max_num_batched_tokens: Positive = 2048
+
+
+class PostprocWorkersConfig(_Section):
+    count: Positive = 2
+
+
+class KVEventsConfig(_Section):
+    zmq: ZmqAddress | None = None  # PUB endpoint for vLLM-compatible EventBatches
+
+
+class KVCacheConfig(_Section):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    num_blocks: Positive = 2048
+    prefix_caching: bool = True
+    events: KVEventsConfig = KVEventsConfig()
+
+
+class TransferConfig(_Section):
+    backend: Literal["nixl"] = "nixl"
+    lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+
+class ClusterConfig(_Section):
+    model: str = "builtin:tiny"  # or a local Hugging Face directory
+    mode: Literal["disaggregated", "aggregated"] = "disaggregated"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    frontend: FrontendConfig = FrontendConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    context_workers: ContextWorkersConfig = ContextWorkersConfig()
+    generation_workers: GenerationWorkersConfig = GenerationWorkersConfig()
+    postproc_workers: PostprocWorkersConfig = PostprocWorkersConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    transfer: TransferConfig = TransferConfig()
+
+
+class ConfigError(ValueError):
+    """cluster.yaml is unreadable or invalid; the message names the file, the key and the reason."""
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_cluster_config(text, source=str(path))
+
+
+def parse_cluster_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
+    try:
+        return msgspec.yaml.decode(text or "{}", type=ClusterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_readable(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+
+
+def _readable(message: str) -> str:
+    """msgspec says 'Expected `int` >= 1 - at `$.kv_cache.block_size`'; lead with the key instead."""
+    reason, sep, where = message.rpartition(" - at `$.")
+    if not sep:
+        return message
+    return f"{where.rstrip('`')}: {reason}"

@@ -1,0 +1,75 @@
+"""Sampling parameters of one request, as they travel from the frontend to the workers.
+
+A msgspec Struct so it can ride inside protocol messages unchanged; `validate()` is the one place that
+decides what the engine accepts, so the HTTP layer and the in-process API reject the same things.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.errors import InvalidRequest
+
+MAX_LOGPROBS = 20  # same ceiling as OpenAI's top_logprobs
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens (HF/vLLM semantics)
+    presence_penalty: float = 0.0  # over output tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token plus k top alternatives
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = msgspec.field(default_factory=list)  # applied by the detokenizing side
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field when a value is outside what the engine can honour."""
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if vocab_size is not None:
+            for token_id in list(self.logit_bias or ()) + self.stop_token_ids:
+                _check(
+                    0 <= token_id < vocab_size,
+                    "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids",
+                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                )
+        for value in (self.logit_bias or {}).values():
+            _check(-100.0 <= value <= 100.0, "logit_bias", f"bias {value} is outside [-100, 100]")
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"{param} {message}", param=param)

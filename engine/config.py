@@ -1,0 +1,50 @@
+"""Engine settings: one frozen record built by the entry point (cluster.yaml or the in-process API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+BUILTIN_TINY = "builtin:tiny"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str  # a local Hugging Face directory, or builtin:tiny
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 2048
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64  # sequences in one continuous batch
+    max_num_batched_tokens: int = 2048  # token budget of one step; smaller means smaller prefill chunks
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def model_dir(self) -> Path:
+        """The model directory, building the tiny model into its cache on first use."""
+        if self.model == BUILTIN_TINY:
+            from engine.tiny_model import ensure_tiny_model
+
+            return ensure_tiny_model()
+        path = Path(self.model).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model {self.model!r}: no config.json in {path}")
+        return path

@@ -1,0 +1,169 @@
+"""Per-sequence block tables on top of the BlockPool, as the scheduler sees them.
+
+The scheduler asks three things: how much of a new prompt is already cached (`get_computed_blocks`),
+whether a step's tokens fit (`allocate_slots`, False means "preempt someone"), and, after the model
+wrote KV, to publish the newly full blocks (`cache_blocks`). Parallel samples (n > 1) and repeated
+prompts share blocks through the prefix cache, so there is no fork or copy-on-write here.
+
+Block table of one sequence (block_size 4, 10 tokens, KV written for 9):
+
+    block_table  [ 7 ][ 3 ][ 12 ]
+    tokens        0-3  4-7  8-9      block 12 is partial: never hashed
+    hashes        h0   h1            h1 = H(h0, tokens 4-7, extra_keys)
+    head: prefix hits shared with other sequences (touch); tail: allocated for this sequence
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from common.block_hash import ExtraKey, block_hashes, hash_block
+from engine.block_pool import BlockPool, KVEvent
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheStats:
+    """A partition of the pool: free + cached + used == total."""
+
+    total: int
+    free: int  # no hash, unreferenced
+    cached: int  # hashed, unreferenced: evictable prefix-cache entries
+    used: int  # referenced by at least one sequence
+
+    @property
+    def fraction_used(self) -> float:
+        """Fraction of blocks held by running sequences (cached blocks count as free)."""
+        return self.used / self.total
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of block_ids[:len(block_hashes)]
+
+
+class KVCacheManager:
+    """Block tables keyed by sequence id, with prefix caching through the shared pool."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._seqs: dict[str, _SeqBlocks] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> KVCacheStats:
+        pool = self.pool
+        return KVCacheStats(
+            total=pool.num_blocks,
+            free=pool.num_free_blocks - pool.num_cached_blocks,
+            cached=pool.num_cached_blocks,
+            used=pool.num_used_blocks,
+        )
+
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...] = ()
+    ) -> tuple[list[int], int]:
+        """Cached blocks matching the prompt's longest prefix, and how many tokens they cover.
+
+        At least one prompt token is always left uncovered: the last one must run through the model
+        to produce logits. Takes no refs, so call allocate_slots right after, before anything else
+        allocates.
+        """
+        if not self.pool.enable_prefix_caching:
+            return [], 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            block = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, block, extra_keys)
+            block_id = self.pool.get_cached_block(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, seq_id: str, num_total_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Grow `seq_id`'s block table to hold `num_total_tokens` tokens.
+
+        On the first call, `computed_blocks` (from get_computed_blocks) become the table's head.
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and computed_blocks:
+            raise ValueError(
+                f"{seq_id}: computed_blocks only apply to a sequence's first allocation"
+            )
+        if any(self.pool.block_hash(b) is None for b in computed_blocks):
+            raise ValueError(f"{seq_id}: a computed block was evicted before allocate_slots")
+        num_held = len(seq.block_ids) if seq is not None else len(computed_blocks)
+        num_new = max(0, -(-num_total_tokens // self.block_size) - num_held)
+        # Cached-free hits leave the free queue when touched, so they compete with the new blocks.
+        num_revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        if num_new + num_revived > self.pool.num_free_blocks:
+            return False
+        if seq is None:
+            self.pool.touch(computed_blocks)
+            hashes = [self.pool.block_hash(b) for b in computed_blocks]
+            seq = _SeqBlocks(list(computed_blocks), [h for h in hashes if h is not None])
+            self._seqs[seq_id] = seq
+        seq.block_ids.extend(self.pool.allocate(num_new))
+        return True
+
+    def cache_blocks(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> None:
+        """Hash and register the blocks made full by the first `num_computed_tokens` tokens' KV.
+
+        Incremental: blocks hashed by an earlier call (or reused as prefix hits) are not rehashed.
+        """
+        if not self.pool.enable_prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        num_full = min(num_full, len(seq.block_ids))
+        num_known = len(seq.block_hashes)
+        if num_full <= num_known:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        new_hashes = block_hashes(
+            token_ids[: num_full * self.block_size],
+            self.block_size,
+            extra_keys,
+            start=num_known,
+            parent=parent,
+        )
+        for i, block_hash in enumerate(new_hashes, start=num_known):
+            block = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            self.pool.cache_block(seq.block_ids[i], block_hash, parent, block)
+            seq.block_hashes.append(block_hash)
+            parent = block_hash
+
+    def free(self, seq_id: str) -> None:
+        """Release the sequence's blocks (tail first, see BlockPool.free); ignores unknown ids."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.free(seq.block_ids)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """A copy of the sequence's block ids, head first."""
+        return list(self._seqs[seq_id].block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()

@@ -1,0 +1,143 @@
+"""The engine core: requests in, one token per running sequence out, each `step()`.
+
+Workers drive it directly (add_request / step / abort); `engine.llm.LLM` wraps it for offline use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.kv_cache_manager import KVCacheManager
+from engine.model import load_model
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler, SampleResult, SamplingState, make_generator
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One new token of one sequence (a request's choice `index`), as produced by one step."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # stop | length | abort, once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = config.model_dir()
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(config.device)
+        self.kv_cache = KVCache(
+            self.model_config, config.num_blocks, config.block_size, config.torch_dtype, config.device
+        )
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.kv, config.attention_backend, config.device
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        extra_keys: tuple[object, ...] = (),
+    ) -> None:
+        """Queue a request (n sequences); raises InvalidRequest and changes nothing if it can't run."""
+        self._validate(request_id, prompt_token_ids, params)
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            sampling = SamplingState(
+                params=params,
+                prompt_token_ids=prompt_token_ids,
+                output_token_ids=[],
+                generator=make_generator(params.seed, index) if params.seed is not None else None,
+                eos_token_ids=self.eos_token_ids,
+            )
+            self.scheduler.add(
+                Sequence(
+                    seq_id=seq_id,
+                    request_id=request_id,
+                    index=index,
+                    token_ids=list(prompt_token_ids),
+                    num_prompt_tokens=len(prompt_token_ids),
+                    sampling=sampling,
+                    extra_keys=extra_keys,
+                )
+            )
+
+    def abort(self, request_id: str) -> list[TokenOutput]:
+        """Stop a request now; its blocks are free when this returns. Unknown ids are ignored."""
+        return [
+            TokenOutput(request_id, s.index, -1, None, None, "abort", s.num_prompt_tokens, 0)
+            for s in self.scheduler.abort(request_id)
+        ]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[TokenOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        seqs, logits = self.runner.run(out)
+        sampled = self.sampler(logits, [seq.sampling for seq in seqs])
+        self.scheduler.postprocess(out, sampled)
+        return [self._output(seq, row, sampled) for row, seq in enumerate(seqs)]
+
+    def _output(self, seq: Sequence, row: int, sampled: SampleResult) -> TokenOutput:
+        wants_logprobs = seq.params.logprobs is not None
+        return TokenOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_id=sampled.token_ids[row],
+            logprob=sampled.logprobs[row] if wants_logprobs and sampled.logprobs else None,
+            top_logprobs=(
+                sampled.top_logprobs[row] if wants_logprobs and sampled.top_logprobs else None
+            ),
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+        )
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if self.scheduler.has_request(request_id):
+            raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab_size = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        params.validate(vocab_size)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} tokens and max_tokens is {params.max_tokens} "
+                f"({len(prompt) + params.max_tokens} in total)",
+                "max_tokens" if len(prompt) < self.max_model_len else "prompt",
+            )
+        needed_blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
+        if needed_blocks > self.config.num_blocks:
+            raise InvalidRequest(
+                f"the request needs {needed_blocks} KV blocks; the cache has {self.config.num_blocks}",
+                "max_tokens",
+            )

@@ -1,0 +1,237 @@
+"""Llama / Qwen2 / Qwen3 decoder over the paged KV cache.
+
+Module and parameter names mirror Hugging Face's so safetensors checkpoints load by name. The forward
+pass works on a flat batch of tokens (prefill chunks and decode tokens of many sequences together);
+`AttentionMetadata` says which tokens belong to whom and where their K/V live in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine import attention
+from engine.model_config import ModelConfig, RopeConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Token layout of one forward pass: the first `num_decode_tokens` tokens are decodes (one per
+    sequence), the rest are prefill chunks packed back to back."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    decode_context_lens: torch.Tensor  # (num_decodes,) int32, counting the new token
+    prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
+    prefill_cu_seqlens_q: torch.Tensor  # (num_prefills + 1,) int32
+    prefill_context_lens: torch.Tensor  # (num_prefills,) int32, prefix + chunk
+    backend: attention.AttentionBackend = "auto"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed once in float32 as Hugging Face does."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, rope)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions][:, None, :]  # (num_tokens, 1, head_dim)
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, bias = config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.scale = d**-0.5
+        self.sliding_window = config.sliding_window
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        out = self._attend(q, k_cache, v_cache, meta)  # (num_tokens, num_heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        nd = meta.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(
+                attention.decode_attention(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                    self.scale, sliding_window=self.sliding_window, backend=meta.backend,
+                )
+            )  # fmt: skip
+        if nd < q.shape[0]:
+            parts.append(
+                attention.prefill_attention(
+                    q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                    meta.prefill_context_lens, self.scale, sliding_window=self.sliding_window,
+                    backend=meta.backend,
+                )
+            )  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole decoder: `forward` returns hidden states, `logits` projects the selected rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (num_rows, vocab_size)
+
+
+def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """Build the module on the meta device and assign the checkpoint's tensors: no double memory."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" not in name:  # old Llama checkpoints store inv_freq
+                    state[name] = f.get_tensor(name).to(dtype)
+    if config.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
+    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+    return model.eval()

@@ -1,0 +1,262 @@
+"""Turn one step's logits into next tokens, one row per running sequence.
+
+Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
+
+    logit_bias → min_tokens → repetition penalty → presence/frequency penalties
+        → greedy rows: argmax
+        → sampled rows: temperature → top_k → top_p → min_p → draw
+
+Every stage is batched over rows and skipped when no row uses it, so an all-greedy batch costs a copy and an
+argmax. Logprobs are read from the raw logits, before any stage, so they match the model's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_MIN_TEMPERATURE = 1e-5  # dividing by less overflows float32; such rows are greedy in all but name
+_MAX_LOGIT = 1e4  # a +inf logit from the model becomes this, so softmax stays finite
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: sibling choices of one seed start far apart
+
+
+def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """The random stream of choice `index` of a seeded request: one seed, n different choices."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + index * _SEED_STRIDE) % (1 << 64))
+    return generator
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler reads about one running sequence; the scheduler owns it and appends outputs."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # make_generator(params.seed, index) when seeded
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids, masked during min_tokens
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]  # one per row
+    logprobs: list[float] | None  # raw logprob of each sampled token; None when no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # k = params.logprobs best per row; [] if not asked
+
+
+class Sampler:
+    """Stateless across steps: everything that persists per sequence lives in its SamplingState."""
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+        """logits: (num_rows, vocab_size), one row per state, in the same order."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        x = adjust_logits(logits, states)  # (num_rows, vocab_size)
+        token_ids = _choose(x, states)  # (num_rows,)
+        return _result(logits, token_ids, states)
+
+
+def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Bias, min_tokens and penalties: the stages that apply to greedy and sampled rows alike."""
+    # A copy (nan_to_num never aliases), with NaN and +inf made harmless for the softmax below.
+    x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=_MAX_LOGIT, neginf=_NEG_INF)
+    fallback = x.argmax(dim=-1, keepdim=True)  # (num_rows, 1), before any mask
+    x = _apply_logit_bias(x, states)
+    masked = _apply_min_tokens(x, states)
+    x = _apply_repetition_penalty(x, states)
+    x = _apply_presence_frequency(x, states)
+    if masked or not all(s.params.greedy for s in states):
+        x = _revive_dead_rows(x, fallback)
+    return x
+
+
+def warp_logits(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Temperature and the truncation filters: the sampling distribution is softmax of the result."""
+    x = _apply_temperature(x, states)
+    x = _apply_top_k(x, states)
+    x = _apply_top_p(x, states)
+    return _apply_min_p(x, states)
+
+
+def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    greedy = [s.params.greedy for s in states]
+    if all(greedy):
+        return x.argmax(dim=-1)  # (num_rows,); ties go to the lowest id, like HF
+    if not any(greedy):
+        return _sample(x, states)
+    sampled_rows = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
+    index = torch.tensor(sampled_rows, device=x.device)  # (num_sampled,)
+    token_ids = x.argmax(dim=-1)  # (num_rows,)
+    token_ids[index] = _sample(x[index], [states[i] for i in sampled_rows])
+    return token_ids
+
+
+def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) draws from p (the exponential race), one noise row per sequence."""
+    probs = torch.softmax(warp_logits(x, states), dim=-1)  # (num_sampled, vocab_size)
+    noise = torch.empty_like(probs)  # (num_sampled, vocab_size)
+    seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
+    if len(seeded) < len(states):
+        noise.exponential_()  # unseeded rows share one draw from the global generator
+    for i, generator in seeded:
+        # Each seeded row draws from its own stream only, so batch composition cannot change its tokens.
+        noise[i].exponential_(generator=generator)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0 = NaN
+    return (probs / noise).argmax(dim=-1)  # (num_sampled,)
+
+
+def _apply_logit_bias(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, state in enumerate(states):
+        for token_id, bias in (state.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(int(token_id))
+            values.append(float(bias))
+    if rows:
+        index = (_long(rows, x), _long(cols, x))
+        x.index_put_(index, torch.tensor(values, device=x.device), accumulate=True)
+    return x
+
+
+def _apply_min_tokens(x: torch.Tensor, states: list[SamplingState]) -> bool:
+    """Forbid every way to stop while a sequence is shorter than min_tokens; True if anything was masked."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, state in enumerate(states):
+        params = state.params
+        if len(state.output_token_ids) >= params.min_tokens:
+            continue
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= state.eos_token_ids
+        rows.extend([i] * len(banned))
+        cols.extend(banned)
+    if rows:
+        x[_long(rows, x), _long(cols, x)] = _NEG_INF
+    return bool(rows)
+
+
+def _apply_repetition_penalty(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """HF semantics: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
+    penalties = [s.params.repetition_penalty for s in states]
+    if all(p == 1.0 for p in penalties):
+        return x
+    token_lists = [
+        s.prompt_token_ids + s.output_token_ids if p != 1.0 else []
+        for s, p in zip(states, penalties, strict=True)
+    ]
+    seen = _token_counts(token_lists, x) > 0  # (num_rows, vocab_size)
+    penalty = _column(penalties, x)  # (num_rows, 1)
+    penalised = torch.where(x < 0, x * penalty, x / penalty)  # (num_rows, vocab_size)
+    return torch.where(seen, penalised, x)
+
+
+def _apply_presence_frequency(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """OpenAI semantics over output tokens: logit -= presence * (count > 0) + frequency * count."""
+    presence = [s.params.presence_penalty for s in states]
+    frequency = [s.params.frequency_penalty for s in states]
+    used = [p != 0.0 or f != 0.0 for p, f in zip(presence, frequency, strict=True)]
+    if not any(used):
+        return x
+    token_lists = [s.output_token_ids if u else [] for s, u in zip(states, used, strict=True)]
+    counts = _token_counts(token_lists, x)  # (num_rows, vocab_size)
+    x -= _column(frequency, x) * counts + _column(presence, x) * (counts > 0)
+    return x
+
+
+def _revive_dead_rows(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """A row whose masks removed every token keeps only its raw argmax, so softmax never sees all -inf."""
+    dead = x.amax(dim=-1, keepdim=True) == _NEG_INF  # (num_rows, 1)
+    kept = torch.where(dead, 0.0, x.gather(1, fallback))  # (num_rows, 1)
+    return x.scatter_(1, fallback, kept)
+
+
+def _apply_temperature(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    temperatures = [s.params.temperature for s in states]
+    if all(t == 1.0 for t in temperatures):
+        return x
+    return x.div_(_column(temperatures, x).clamp_min_(_MIN_TEMPERATURE))
+
+
+def _apply_top_k(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Keep logits >= the k-th largest (ties at the k-th are kept, like HF's TopKLogitsWarper)."""
+    vocab_size = x.shape[1]
+    ks = [s.params.top_k if 0 < s.params.top_k < vocab_size else 0 for s in states]
+    if not any(ks):
+        return x
+    max_k = max(ks)
+    top = torch.topk(x, max_k, dim=-1).values  # (num_rows, max_k), descending
+    kth_index = _long([(k or max_k) - 1 for k in ks], x).unsqueeze(1)  # (num_rows, 1)
+    kth = top.gather(1, kth_index)  # (num_rows, 1)
+    disabled = torch.tensor([k == 0 for k in ks], device=x.device).unsqueeze(1)  # (num_rows, 1)
+    kth.masked_fill_(disabled, _NEG_INF)
+    return x.masked_fill_(x < kth, _NEG_INF)
+
+
+def _apply_top_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Drop the least likely tokens whose total mass is <= 1 - top_p; the best token always stays."""
+    top_ps = [s.params.top_p for s in states]
+    if all(p >= 1.0 for p in top_ps):
+        return x
+    sorted_logits, order = x.sort(dim=-1)  # (num_rows, vocab_size), ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (num_rows, vocab_size)
+    remove_sorted = cumulative <= _column([1.0 - p for p in top_ps], x)  # (num_rows, vocab_size)
+    remove_sorted[:, -1] = False
+    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)  # back to vocab order
+    return x.masked_fill_(remove, _NEG_INF)
+
+
+def _apply_min_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one."""
+    min_ps = [s.params.min_p for s in states]
+    if all(m == 0.0 for m in min_ps):
+        return x
+    probs = x.softmax(dim=-1)  # (num_rows, vocab_size)
+    threshold = probs.amax(dim=-1, keepdim=True) * _column(min_ps, x)  # (num_rows, 1)
+    return x.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _result(logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+    ks = [s.params.logprobs for s in states]
+    if all(k is None for k in ks):
+        return SampleResult(token_ids.tolist(), None, None)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (num_rows, vocab_size), raw distribution
+    logprobs = torch.nan_to_num(logprobs, nan=_NEG_INF, neginf=_NEG_INF)  # a NaN row reports -inf
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (num_rows,)
+    max_k = min(max(k or 0 for k in ks), logprobs.shape[1])
+    top: list[list[tuple[int, float]]] = [[] for _ in states]
+    if max_k > 0:
+        values, indices = torch.topk(logprobs, max_k, dim=-1)  # (num_rows, max_k), descending
+        value_rows, index_rows = values.tolist(), indices.tolist()
+        for i, k in enumerate(ks):
+            if k:
+                top[i] = list(zip(index_rows[i][:k], value_rows[i][:k], strict=True))
+    return SampleResult(token_ids.tolist(), chosen.tolist(), top)
+
+
+def _token_counts(token_lists: list[list[int]], x: torch.Tensor) -> torch.Tensor:
+    """(num_rows, vocab_size) occurrence counts; ids past the logits (padded embeddings) are dropped."""
+    num_rows, vocab_size = x.shape
+    width = max((len(ids) for ids in token_lists), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, device=x.device)  # last column absorbs padding
+    if width == 0:
+        return counts[:, :vocab_size]
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
+    index = _long(padded, x).clamp_(max=vocab_size)  # (num_rows, width)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=x.device))
+    return counts[:, :vocab_size]
+
+
+def _column(values: list[float], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=x.device).unsqueeze(1)  # (num_rows, 1)
+
+
+def _long(values: list[int] | list[list[int]], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=x.device)

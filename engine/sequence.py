@@ -1,0 +1,56 @@
+"""One sequence being generated: its tokens, how far the KV cache has computed them, and why it ended.
+
+A request with n > 1 becomes n sequences that share the prompt (and its cached blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from common.sampling_params import SamplingParams
+from engine.sampler import SamplingState
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: str
+    request_id: str
+    index: int  # choice index within the request
+    token_ids: list[int]  # prompt followed by the tokens generated so far
+    num_prompt_tokens: int
+    sampling: SamplingState
+    extra_keys: tuple[object, ...] = ()  # salts the prefix-cache hashes (cache_salt, lora)
+    arrival_order: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort
+    stop_token_id: int | None = None  # the EOS or stop_token_id that ended it
+    num_preemptions: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.sampling.output_token_ids.append(token_id)

@@ -1,0 +1,45 @@
+"""cluster.yaml validation: the shipped file loads, a bad one names the key and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_cluster_config, parse_cluster_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_cluster_yaml_is_valid() -> None:
+    config = load_cluster_config(ROOT / "deploy/local/cluster.yaml")
+    assert config.model == "builtin:tiny"
+    assert config.frontend.host == "127.0.0.1"
+    assert config.kv_cache.events.zmq == "tcp://127.0.0.1:5557"
+
+
+def test_empty_file_gives_the_defaults() -> None:
+    config = parse_cluster_config("")
+    assert config.mode == "disaggregated" and config.kv_cache.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("kv_cache: {block_size: 0}", "kv_cache.block_size: Expected `int` >= 1"),
+        ("frontend: {prot: 1}", "frontend: Object contains unknown field `prot`"),
+        ("mode: both", "mode: Invalid enum value 'both'"),
+        ("orchestrator: {address: foo}", "orchestrator.address: Expected `str` matching"),
+        ("generation_workers: {count: x}", "generation_workers.count: Expected `int`, got `str`"),
+        ("a: [", "not valid YAML"),
+    ],
+)
+def test_bad_values_name_the_key(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match="^cluster.yaml: ") as info:
+        parse_cluster_config(text)
+    assert expected in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cluster_config(tmp_path / "nope.yaml")
