@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
+from common.block_hash import ExtraKey
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
@@ -60,7 +61,7 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        extra_keys: tuple[object, ...] = (),
+        extra_keys: tuple[ExtraKey, ...] = (),
     ) -> None:
         """Queue a request (n sequences); raises InvalidRequest and changes nothing if it can't run."""
         self._validate(request_id, prompt_token_ids, params)

@@ -6,8 +6,8 @@ Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
         → greedy rows: argmax
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
-Every stage is batched over rows and skipped when no row uses it, so an all-greedy batch costs a copy and an
-argmax. Logprobs are read from the raw logits, before any stage, so they match the model's distribution.
+Every stage is batched over rows and skipped when no row uses it: an all-greedy batch costs a copy
+and an argmax. Logprobs are read from the raw logits, before any stage: they are the model's own.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ _MAX_LOGIT = 1e4  # a +inf logit from the model becomes this, so softmax stays f
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: sibling choices of one seed start far apart
 
 
-def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
-    """The random stream of choice `index` of a seeded request: one seed, n different choices."""
+def make_generator(
+    seed: int, index: int = 0, device: str | torch.device = "cpu"
+) -> torch.Generator:
+    """The random stream of choice `index` of a seeded request: one seed, n distinct choices."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed + index * _SEED_STRIDE) % (1 << 64))
     return generator
@@ -33,7 +35,7 @@ def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu"
 
 @dataclass(slots=True)
 class SamplingState:
-    """What the sampler reads about one running sequence; the scheduler owns it and appends outputs."""
+    """What the sampler reads about one running sequence; the scheduler owns it, appends outputs."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -46,7 +48,8 @@ class SamplingState:
 class SampleResult:
     token_ids: list[int]  # one per row
     logprobs: list[float] | None  # raw logprob of each sampled token; None when no row asked
-    top_logprobs: list[list[tuple[int, float]]] | None  # k = params.logprobs best per row; [] if not asked
+    # The k = params.logprobs best (id, logprob) per row, [] for rows that did not ask.
+    top_logprobs: list[list[tuple[int, float]]] | None
 
 
 class Sampler:
@@ -76,7 +79,7 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Te
 
 
 def warp_logits(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Temperature and the truncation filters: the sampling distribution is softmax of the result."""
+    """Temperature and the truncation filters: rows are sampled from softmax of the result."""
     x = _apply_temperature(x, states)
     x = _apply_top_k(x, states)
     x = _apply_top_p(x, states)
@@ -97,14 +100,14 @@ def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 
 
 def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """argmax(p / q) with q ~ Exp(1) draws from p (the exponential race), one noise row per sequence."""
+    """argmax(p / q) with q ~ Exp(1) draws from p (an exponential race), one noise row per row."""
     probs = torch.softmax(warp_logits(x, states), dim=-1)  # (num_sampled, vocab_size)
     noise = torch.empty_like(probs)  # (num_sampled, vocab_size)
     seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
     if len(seeded) < len(states):
         noise.exponential_()  # unseeded rows share one draw from the global generator
     for i, generator in seeded:
-        # Each seeded row draws from its own stream only, so batch composition cannot change its tokens.
+        # A seeded row draws from its own stream only, so batch composition cannot change it.
         noise[i].exponential_(generator=generator)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0 = NaN
     return (probs / noise).argmax(dim=-1)  # (num_sampled,)
@@ -126,7 +129,7 @@ def _apply_logit_bias(x: torch.Tensor, states: list[SamplingState]) -> torch.Ten
 
 
 def _apply_min_tokens(x: torch.Tensor, states: list[SamplingState]) -> bool:
-    """Forbid every way to stop while a sequence is shorter than min_tokens; True if anything was masked."""
+    """Forbid every way to stop while the output is shorter than min_tokens; True if any masked."""
     rows: list[int] = []
     cols: list[int] = []
     for i, state in enumerate(states):
@@ -144,7 +147,7 @@ def _apply_min_tokens(x: torch.Tensor, states: list[SamplingState]) -> bool:
 
 
 def _apply_repetition_penalty(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """HF semantics: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
+    """HF semantics: a seen token's logit is divided by the penalty if positive, else multiplied."""
     penalties = [s.params.repetition_penalty for s in states]
     if all(p == 1.0 for p in penalties):
         return x
@@ -172,7 +175,7 @@ def _apply_presence_frequency(x: torch.Tensor, states: list[SamplingState]) -> t
 
 
 def _revive_dead_rows(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """A row whose masks removed every token keeps only its raw argmax, so softmax never sees all -inf."""
+    """A row whose masks removed every token keeps its raw argmax: softmax never sees all -inf."""
     dead = x.amax(dim=-1, keepdim=True) == _NEG_INF  # (num_rows, 1)
     kept = torch.where(dead, 0.0, x.gather(1, fallback))  # (num_rows, 1)
     return x.scatter_(1, fallback, kept)
@@ -201,7 +204,7 @@ def _apply_top_k(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 
 
 def _apply_top_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Drop the least likely tokens whose total mass is <= 1 - top_p; the best token always stays."""
+    """Drop the least likely tokens whose total mass is <= 1 - top_p; the best one always stays."""
     top_ps = [s.params.top_p for s in states]
     if all(p >= 1.0 for p in top_ps):
         return x
@@ -209,7 +212,7 @@ def _apply_top_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (num_rows, vocab_size)
     remove_sorted = cumulative <= _column([1.0 - p for p in top_ps], x)  # (num_rows, vocab_size)
     remove_sorted[:, -1] = False
-    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)  # back to vocab order
+    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)  # in vocab order
     return x.masked_fill_(remove, _NEG_INF)
 
 
@@ -223,7 +226,9 @@ def _apply_min_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return x.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def _result(logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+def _result(
+    logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]
+) -> SampleResult:
     ks = [s.params.logprobs for s in states]
     if all(k is None for k in ks):
         return SampleResult(token_ids.tolist(), None, None)
@@ -242,7 +247,7 @@ def _result(logits: torch.Tensor, token_ids: torch.Tensor, states: list[Sampling
 
 
 def _token_counts(token_lists: list[list[int]], x: torch.Tensor) -> torch.Tensor:
-    """(num_rows, vocab_size) occurrence counts; ids past the logits (padded embeddings) are dropped."""
+    """(num_rows, vocab_size) occurrence counts; ids past the logits (padded embeddings) drop."""
     num_rows, vocab_size = x.shape
     width = max((len(ids) for ids in token_lists), default=0)
     counts = torch.zeros(num_rows, vocab_size + 1, device=x.device)  # last column absorbs padding

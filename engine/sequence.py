@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from common.block_hash import ExtraKey
 from common.sampling_params import SamplingParams
 from engine.sampler import SamplingState
 
@@ -26,7 +27,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by the tokens generated so far
     num_prompt_tokens: int
     sampling: SamplingState
-    extra_keys: tuple[object, ...] = ()  # salts the prefix-cache hashes (cache_salt, lora)
+    extra_keys: tuple[ExtraKey, ...] = ()  # salts the prefix-cache hashes (cache_salt, lora)
     arrival_order: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission

@@ -6,7 +6,8 @@ Cache layout, per layer (a view into the block-major pool, see engine/kv_cache.p
                       block_size * num_kv_heads * head_dim; each block is contiguous.
 
 A sequence's token at position p lives in block block_table[p // block_size], slot p % block_size.
-Both functions expect the KV of the tokens being computed to be written into the cache already.
+The attention functions expect the KV of the tokens being computed to be in the cache already
+(`store_kv_ref` writes it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Gather each sequence's first `max_len` cached tokens: (batch, max_len, num_kv_heads, head_dim)."""
+    """Each sequence's first `max_len` cached tokens: (batch, max_len, num_kv_heads, head_dim)."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
     blocks = cache[block_tables[:, :num_blocks].long()]  # (batch, num_blocks, block_size, kvh, d)
@@ -98,8 +99,8 @@ def paged_prefill_attention_ref(
     """Causal attention of new tokens over a cached prefix plus themselves, variable lengths.
 
     q: (num_tokens, num_heads, head_dim), sequences packed back to back; cu_seqlens_q: (batch + 1,)
-    int32 offsets into q; context_lens: (batch,) int32 total length (prefix + new tokens). New token j
-    of sequence b sits at position context_lens[b] - q_len[b] + j. Returns q's shape.
+    int32 offsets into q; context_lens: (batch,) int32 total length (prefix + new tokens). New
+    token j of sequence b sits at position context_lens[b] - q_len[b] + j. Returns q's shape.
     """
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
@@ -117,3 +118,21 @@ def paged_prefill_attention_ref(
     allowed = key_mask(query_pos, ctx, max_len, sliding_window)
     out = attend(padded, k, v, allowed, scale, soft_cap)
     return out[seq_of_token, idx_in_seq]
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v: (num_tokens, num_kv_heads, head_dim) into the cache views in place at
+    slot_mapping: (num_tokens,) = block_id * block_size + offset; negative slots (padding) skip."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache[slots // block_size, slots % block_size] = k  # index_put on the view writes the pool
+    v_cache[slots // block_size, slots % block_size] = v

@@ -1,9 +1,10 @@
-"""The sampler against torch and Hugging Face references: filters, penalties, logprobs, seeds, edge rows."""
+"""The sampler against torch and Hugging Face references: filters, penalties, logprobs, seeds."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -32,9 +33,9 @@ def _state(
     output: list[int] | None = None,
     eos: frozenset[int] = frozenset(),
     index: int = 0,
-    **params: object,
+    **params: Any,
 ) -> SamplingState:
-    sampling = SamplingParams(**params)  # type: ignore[arg-type]
+    sampling = SamplingParams(**params)
     generator = None if sampling.seed is None else make_generator(sampling.seed, index)
     return SamplingState(sampling, list(prompt or []), list(output or []), generator, eos)
 
@@ -47,7 +48,7 @@ def _logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0
 def _hf_warp(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """HF's warper chain in generate()'s order, on one (1, vocab) row."""
     scores = row.clone()
-    ids = torch.zeros(1, 1, dtype=torch.long)
+    ids = torch.LongTensor([[0]])  # the warpers ignore it
     if params.temperature != 1.0:
         scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
     if params.top_k > 0:
@@ -118,9 +119,9 @@ def test_top_logprobs_are_the_k_best_raw_tokens_in_order() -> None:
         {"temperature": 1.3, "top_k": 20, "top_p": 0.8, "min_p": 0.05},
     ],
 )
-def test_each_filter_matches_the_hf_warper(params: dict[str, float]) -> None:
+def test_each_filter_matches_the_hf_warper(params: dict[str, Any]) -> None:
     logits = _logits(3)
-    # Rows with other settings ride along, so per-row parameters are checked, not just a batch-wide one.
+    # Rows with other settings ride along: per-row parameters are checked, not one batch-wide value.
     states = [_state(**params), _state(top_k=2, top_p=0.3), _state()]
     warped = warp_logits(logits.clone(), states)  # (3, vocab)
     for row, state in enumerate(states):
@@ -128,6 +129,15 @@ def test_each_filter_matches_the_hf_warper(params: dict[str, float]) -> None:
         kept = torch.isfinite(warped[row])
         assert torch.equal(kept, torch.isfinite(expected)), state.params
         torch.testing.assert_close(warped[row][kept], expected[kept])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass_exactly() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]]) * math.log(2.0)  # probs 1/2, 1/4, 1/8, 1/8: exact
+    state = _state(top_p=0.75)
+    warped = warp_logits(logits.clone(), [state])
+    expected = _hf_warp(logits, state.params)
+    assert torch.isfinite(warped).tolist() == [[True, True, False, False]]
+    assert torch.equal(torch.isfinite(warped), torch.isfinite(expected))
 
 
 def test_top_k_beyond_vocab_or_disabled_keeps_everything() -> None:
@@ -198,7 +208,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
 
 def test_seeded_row_is_the_same_alone_and_in_a_mixed_batch() -> None:
     vocab = 1000
-    params = {"seed": 1234, "temperature": 0.9, "top_k": 200, "top_p": 0.95}
+    params: dict[str, Any] = {"seed": 1234, "temperature": 0.9, "top_k": 200, "top_p": 0.95}
     alone = _state(**params)
     batched = _state(**params)
     others = [
@@ -237,7 +247,7 @@ def test_make_generator_accepts_any_int_seed() -> None:
 
 
 @pytest.mark.parametrize("params", [{}, {"temperature": 0.6, "top_k": 5}])
-def test_samples_follow_the_warped_softmax(params: dict[str, float]) -> None:
+def test_samples_follow_the_warped_softmax(params: dict[str, Any]) -> None:
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0]])
     num_draws = 20_000
     state = _state(**params)
@@ -262,10 +272,10 @@ def test_degenerate_rows_never_produce_nan() -> None:
             [0.0, 1.0, 5.0, 2.0],  # temperature far below float32 range
         ]
     )
-    masked = {"min_tokens": 2, "stop_token_ids": [2, 3], "eos": frozenset({0, 1})}
+    masked: dict[str, Any] = {"min_tokens": 2, "stop_token_ids": [2, 3], "eos": frozenset({0, 1})}
     sampler = Sampler()
     for temperature in (0.0, 1.0):
-        states = [_state(temperature=temperature, logprobs=2, **masked)]  # type: ignore[arg-type]
+        states = [_state(temperature=temperature, logprobs=2, **masked)]
         states += [_state(temperature=temperature, logprobs=2, top_p=0.01) for _ in range(3)]
         states.append(_state(temperature=1e-30 if temperature else 0.0, logprobs=2))
         result = sampler(logits, states)

@@ -1,0 +1,335 @@
+"""Benchmark the Triton paged-attention kernels; writes JSON (default bench/results/kernels.json).
+
+On a CUDA device: decode at batch 1/16/64 x context 1k/4k/16k (32 query heads, 8 KV heads,
+head_dim 128, bf16, block size 16, shuffled blocks of a two-layer block-major pool), timed against
+torch SDPA over the same KV already gathered contiguous (and FlashAttention / FlashInfer when they
+import), as achieved bandwidth = bytes of K/V read / median time; plus a device-to-device copy so
+decode_bw / copy_bw can be read against what the memory can do. Prefill is timed against SDPA too.
+Without CUDA it runs a small correctness pass in the Triton interpreter instead.
+
+    .venv/bin/python bench/kernels.py [--out bench/results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXTS = (1024, 4096, 16384)
+PREFILL_CASES = ((4, 0, 2048), (4, 4096, 512), (16, 1024, 256))  # (batch, prefix, new tokens)
+DEVICE = "cuda"  # the GPU section's device (a CPU dry run of the harness may swap it)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/kernels.json")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernels)
+    sys.path.insert(0, str(ROOT))
+    import triton
+
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
+    }
+    result |= gpu_benchmark() if on_gpu else cpu_correctness()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+# --- shared ---------------------------------------------------------------------------------------
+
+
+def make_cache(
+    num_blocks: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A two-layer block-major pool and its layer-0 K/V views (strided like the engine's)."""
+    pool = torch.randn(
+        num_blocks, 2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device
+    )  # (num_blocks, num_layers, K/V, block_size, num_kv_heads, head_dim)
+    return pool, pool[:, 0, 0], pool[:, 0, 1]
+
+
+def block_tables_for(lens: list[int], num_blocks: int, device: str) -> torch.Tensor:
+    """Disjoint shuffled blocks per sequence: (batch, max_blocks) int32."""
+    need = [-(-n // BLOCK_SIZE) for n in lens]
+    order = torch.randperm(num_blocks, device=device)[: sum(need)].to(torch.int32)
+    width = max(need)
+    table = torch.zeros(len(lens), width, dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[start : start + n]
+        start += n
+    return table
+
+
+def kv_bytes(lens: list[int], element_size: int) -> int:
+    return sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2 * element_size
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    """Median of repeats with L2 flushed between them (triton's do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def gpu_benchmark() -> dict[str, Any]:
+    dtype = torch.bfloat16
+    copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    max_tokens = max(DECODE_BATCHES) * max(DECODE_CONTEXTS)
+    num_blocks = max_tokens // BLOCK_SIZE + 64
+    _, k_cache, v_cache = make_cache(num_blocks, dtype, DEVICE)
+    baselines = optional_baselines()
+    rows = []
+    for batch in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            row = decode_case(batch, ctx, k_cache, v_cache, num_blocks, baselines)
+            row["ratio_to_copy"] = row["triton_gbps"] / copy["gbps"]
+            rows.append(row)
+            torch.cuda.empty_cache()  # the gathered copies of the last case
+            print(
+                f"decode b={batch:3d} ctx={ctx:6d} splits={row['num_splits']:2d} "
+                f"triton {row['triton_ms']:.3f} ms {row['triton_gbps']:7.0f} GB/s "
+                f"({row['ratio_to_copy']:.0%} of copy)  sdpa {row['sdpa_ms']:.3f} ms  "
+                f"err {row['max_abs_err_vs_sdpa']:.1e}"
+            )
+    prefill_rows = [prefill_case(*case, k_cache, v_cache, num_blocks) for case in PREFILL_CASES]
+    goal = next((r for r in rows if r["batch"] == 64 and r["context_len"] == 4096), None)
+    return {
+        "mode": "gpu",
+        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
+        "copy": copy,
+        "decode": rows,
+        "prefill": prefill_rows,
+        "baselines": {name: "ok" if fn else err for name, (fn, err) in baselines.items()},
+        "goal_decode_b64_ctx4k_ratio_to_copy": goal and goal["ratio_to_copy"],
+    }  # fmt: skip
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30) -> dict[str, float]:
+    """Device-to-device copy; bandwidth counts the bytes read plus the bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(functools.partial(dst.copy_, src))
+    return {"bytes_read_plus_written": 2 * num_bytes, "ms": ms, "gbps": 2 * num_bytes / ms / 1e6}
+
+
+def decode_case(
+    batch: int,
+    ctx: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_blocks: int,
+    baselines: dict[str, tuple[Baseline | None, str]],
+) -> dict[str, Any]:
+    from engine.kernels import decode
+    from engine.kernels.reference import gather_kv
+
+    lens = [ctx] * batch
+    tables = block_tables_for(lens, num_blocks, DEVICE)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=k_cache.dtype, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+    num_splits = decode.choose_num_splits(
+        batch, NUM_KV_HEADS, tables.shape[1] * BLOCK_SIZE, decode.device_num_sms(q.device)
+    )
+
+    def run_triton() -> torch.Tensor:
+        return decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+
+    k = gather_kv(k_cache, tables, ctx).transpose(1, 2).contiguous()  # (batch, kvh, ctx, d)
+    v = gather_kv(v_cache, tables, ctx).transpose(1, 2).contiguous()
+    q4 = q[:, :, None]  # (batch, heads, 1, d)
+
+    def run_sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q4, k, v, scale=scale, enable_gqa=True
+        )
+
+    num_bytes = kv_bytes(lens, k_cache.element_size())
+    row: dict[str, Any] = {"batch": batch, "context_len": ctx, "num_splits": num_splits,
+                           "kv_bytes": num_bytes}  # fmt: skip
+    row["max_abs_err_vs_sdpa"] = float((run_triton() - run_sdpa()[:, :, 0]).abs().max())
+    for name, fn in [("triton", run_triton), ("sdpa", run_sdpa)]:
+        ms = median_ms(fn)
+        row[f"{name}_ms"], row[f"{name}_gbps"] = ms, num_bytes / ms / 1e6
+    for name, (factory, _) in baselines.items():
+        if factory is None:
+            continue
+        try:
+            inputs = DecodeInputs(q, k_cache, v_cache, tables, context_lens, k, v, scale)
+            fn = factory(inputs)
+            ms = median_ms(fn)
+            row[f"{name}_ms"], row[f"{name}_gbps"] = ms, num_bytes / ms / 1e6
+        except Exception as exc:  # a baseline's API drift must not lose the whole run
+            row[f"{name}_error"] = repr(exc)[:300]
+    return row
+
+
+def prefill_case(
+    batch: int, prefix: int, new: int, k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int
+) -> dict[str, Any]:
+    from engine.kernels import prefill
+    from engine.kernels.reference import gather_kv
+
+    ctx = prefix + new
+    tables = block_tables_for([ctx] * batch, num_blocks, DEVICE)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=k_cache.dtype, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+
+    def run_triton() -> torch.Tensor:
+        return prefill.paged_prefill_attention(q, k_cache, v_cache, tables, cu, context_lens, scale)
+
+    k = gather_kv(k_cache, tables, ctx).transpose(1, 2).contiguous()  # (batch, kvh, ctx, d)
+    v = gather_kv(v_cache, tables, ctx).transpose(1, 2).contiguous()
+    q4 = q.view(batch, new, NUM_HEADS, HEAD_DIM).transpose(1, 2)  # (batch, heads, new, d)
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(new, ctx)  # new tokens sit after the prefix
+
+    def run_sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+
+    err = run_triton().view(batch, new, NUM_HEADS, HEAD_DIM) - run_sdpa().transpose(1, 2)
+    visible_keys = new * prefix + new * (new + 1) // 2  # per sequence and head
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * visible_keys
+    row: dict[str, Any] = {"batch": batch, "prefix_len": prefix, "new_tokens": new,
+                           "max_abs_err_vs_sdpa": float(err.abs().max())}  # fmt: skip
+    for name, fn in [("triton", run_triton), ("sdpa", run_sdpa)]:
+        ms = median_ms(fn)
+        row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+    print(
+        f"prefill b={batch} prefix={prefix} new={new}: triton {row['triton_ms']:.3f} ms "
+        f"{row['triton_tflops']:.0f} TFLOP/s, sdpa {row['sdpa_ms']:.3f} ms"
+    )
+    return row
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    q: torch.Tensor  # (batch, num_heads, head_dim)
+    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), strided pool view
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # (batch, max_blocks) int32
+    context_lens: torch.Tensor  # (batch,) int32
+    k: torch.Tensor  # (batch, num_kv_heads, ctx, head_dim), gathered contiguous
+    v: torch.Tensor
+    scale: float
+
+
+Baseline = Callable[[DecodeInputs], Callable[[], torch.Tensor]]
+
+
+def optional_baselines() -> dict[str, tuple[Baseline | None, str]]:
+    """FlashAttention (over the gathered cache) and FlashInfer (our paged views), if importable."""
+    found: dict[str, tuple[Baseline | None, str]] = {}
+    try:
+        from flash_attn import flash_attn_with_kvcache
+
+        def flash_attn(x: DecodeInputs) -> Callable[[], torch.Tensor]:
+            kc = x.k.transpose(1, 2).contiguous()  # (batch, ctx, kvh, d): its native layout
+            vc = x.v.transpose(1, 2).contiguous()
+            q4 = x.q[:, None]  # (batch, 1, heads, d)
+            return lambda: flash_attn_with_kvcache(
+                q4, kc, vc, cache_seqlens=x.context_lens, softmax_scale=x.scale
+            )
+
+        found["flash_attn"] = (flash_attn, "")
+    except Exception as exc:
+        found["flash_attn"] = (None, f"unavailable: {exc!r}"[:200])
+    try:
+        import flashinfer
+
+        def flash_infer(x: DecodeInputs) -> Callable[[], torch.Tensor]:
+            batch = x.q.shape[0]
+            blocks = -(-x.context_lens.long() // BLOCK_SIZE)  # (batch,)
+            indptr = torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE)
+            indptr[1:] = blocks.cumsum(0)
+            width = x.block_tables.shape[1]
+            keep = torch.arange(width, device=DEVICE)[None] < blocks[:, None]
+            indices = x.block_tables[keep].int()
+            last = ((x.context_lens - 1) % BLOCK_SIZE + 1).int()
+            workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(indptr, indices, last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                         q_data_type=x.q.dtype, kv_data_type=x.k_cache.dtype,
+                         sm_scale=x.scale)  # fmt: skip
+            return lambda: wrapper.run(x.q, (x.k_cache, x.v_cache))
+
+        found["flashinfer"] = (flash_infer, "")
+    except Exception as exc:
+        found["flashinfer"] = (None, f"unavailable: {exc!r}"[:200])
+    return found
+
+
+# --- CPU ------------------------------------------------------------------------------------------
+
+
+def cpu_correctness() -> dict[str, Any]:
+    """Tiny shapes through the interpreter against the torch reference (no timing claims)."""
+    from engine.kernels import decode, prefill
+    from engine.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+
+    torch.manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        lens = [7, 100, 33]
+        num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 4
+        _, k_cache, v_cache = make_cache(num_blocks, dtype, "cpu")
+        tables = block_tables_for(lens, num_blocks, "cpu")
+        context_lens = torch.tensor(lens, dtype=torch.int32)
+        scale = HEAD_DIM**-0.5
+        q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, dtype=dtype)
+        for num_splits in (1, 2):
+            start = time.perf_counter()
+            out = decode.paged_decode_attention(
+                q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits
+            )
+            ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, context_lens, scale)
+            err = float((out.float() - ref.float()).abs().max())
+            rows.append({"kernel": "decode", "dtype": str(dtype), "num_splits": num_splits,
+                         "lens": lens, "max_abs_err": err,
+                         "interpreter_s": time.perf_counter() - start})  # fmt: skip
+        q_lens = [5, 40, 1]  # prefixes 2, 60, 32
+        cu = torch.tensor([0, 5, 45, 46], dtype=torch.int32)
+        qp = torch.randn(46, NUM_HEADS, HEAD_DIM, dtype=dtype)
+        start = time.perf_counter()
+        out = prefill.paged_prefill_attention(qp, k_cache, v_cache, tables, cu, context_lens, scale)
+        ref = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, context_lens, scale)
+        rows.append({"kernel": "prefill", "dtype": str(dtype), "lens": lens, "q_lens": q_lens,
+                     "max_abs_err": float((out.float() - ref.float()).abs().max()),
+                     "interpreter_s": time.perf_counter() - start})  # fmt: skip
+    for row in rows:
+        print(f"{row['kernel']:8s} {row['dtype']:15s} max_abs_err {row['max_abs_err']:.2e}")
+    return {"mode": "cpu-correctness", "correctness": rows}
+
+
+if __name__ == "__main__":
+    main()

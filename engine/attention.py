@@ -1,0 +1,118 @@
+"""Attention dispatch: the one place that picks the Triton kernels or the torch reference.
+
+"auto" runs Triton on CUDA tensors and torch elsewhere; "torch" and "triton" force one path (the
+engine config passes the choice down; nothing here reads the environment). Forcing "triton" on CPU
+tensors works only under the Triton interpreter (TRITON_INTERPRET=1); the tests drive it so.
+
+The kernel modules, and with them triton, are imported lazily, so the torch path never imports
+triton: @triton.jit (triton's own tl.* helpers included) picks compiled vs interpreted when it
+decorates, i.e. when triton is first imported, and a process that imports the engine before it
+turns the interpreter on (a test session) must still be able to.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from engine.kernels.reference import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+
+AttentionBackend = Literal["auto", "torch", "triton"]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    *,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """One query token per sequence over its paged context: (batch, num_heads, head_dim)."""
+    if _use_triton(backend, q):
+        from engine.kernels import decode
+
+        _check_runnable(q, decode.decode_split_kernel)
+        return decode.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
+        )
+    return paged_decode_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    *,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Packed new tokens over cached prefix + themselves, causal: q's shape."""
+    if _use_triton(backend, q):
+        from engine.kernels import prefill
+
+        _check_runnable(q, prefill.prefill_kernel)
+        return prefill.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            sliding_window, soft_cap,
+        )  # fmt: skip
+    return paged_prefill_attention_ref(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+        sliding_window, soft_cap,
+    )  # fmt: skip
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: AttentionBackend = "auto",
+) -> None:
+    """Store the new tokens' K/V (num_tokens, num_kv_heads, head_dim) at their cache slots."""
+    if _use_triton(backend, k):
+        from engine.kernels import store_kv
+
+        _check_runnable(k, store_kv.store_kv_kernel)
+        store_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _use_triton(backend: AttentionBackend, x: torch.Tensor) -> bool:
+    if backend == "auto":
+        return x.is_cuda
+    if backend in ("torch", "triton"):
+        return backend == "triton"
+    raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+
+
+def _check_runnable(x: torch.Tensor, kernel: object) -> None:
+    """Fail with a reason instead of a driver error when Triton is forced on CPU tensors."""
+    if x.is_cuda:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "attention backend 'triton' got CPU tensors but the kernels are compiled for a GPU; "
+            "set TRITON_INTERPRET=1 before triton is first imported to run them on CPU"
+        )

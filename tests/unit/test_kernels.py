@@ -1,0 +1,357 @@
+"""Triton paged-attention kernels against the torch reference; the reference against a naive loop.
+
+Without a GPU the kernels run in the Triton interpreter. @triton.jit picks compiled vs interpreted
+when it decorates, and triton's own helpers (tl.sum, tl.cdiv, ...) are decorated when triton is
+first imported, so TRITON_INTERPRET=1 must be set before anything in the process imports triton.
+torch does not import it and the engine imports it lazily, so setting it here, at collection,
+normally works and keeps per-test reports in one pytest process. If a module collected earlier has
+already imported triton compiled, the kernel tests here skip and
+`test_kernels_in_a_fresh_interpreter_process` reruns this file in a subprocess with the variable
+set. With a GPU nothing is set and the same tests run the compiled kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from engine import attention  # noqa: E402
+from engine.kernels import decode, prefill, store_kv  # noqa: E402
+from engine.kernels.reference import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+
+RUN_HERE = ON_GPU or all(
+    isinstance(fn, InterpretedFunction)
+    for fn in (
+        tl.cdiv,
+        decode.decode_split_kernel,
+        prefill.prefill_kernel,
+        store_kv.store_kv_kernel,
+    )
+)
+needs_kernels = pytest.mark.skipif(
+    not RUN_HERE, reason="triton was imported compiled before this module: run in a subprocess"
+)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOLERANCE = {  # (atol, rtol): about two units in the last place of outputs of magnitude ~2
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+class PagedCache:
+    """K/V views of layer 1 of a block-major pool (strided like the engine's), with shuffled
+    per-sequence block tables and random contents."""
+
+    def __init__(
+        self,
+        lens: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        extra_blocks: int = 3,
+    ) -> None:
+        blocks_per_seq = [-(-n // block_size) for n in lens]
+        num_blocks = sum(blocks_per_seq) + extra_blocks
+        self.pool = torch.randn(
+            num_blocks, 2, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE
+        )  # (num_blocks, num_layers, K/V, block_size, num_kv_heads, head_dim)
+        self.k, self.v = self.pool[:, 1, 0], self.pool[:, 1, 1]
+        order = torch.randperm(num_blocks).tolist()
+        width = max(blocks_per_seq)
+        tables = []
+        for n in blocks_per_seq:
+            row, order = order[:n], order[n:]
+            tables.append(row + [0] * (width - n))  # padding entries are never read
+        self.block_tables = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
+        self.context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    atol, rtol = TOLERANCE[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# --- the reference against a naive per-token loop -----------------------------------------------
+
+
+def _naive_attention(
+    q: torch.Tensor,  # (num_heads, head_dim), one query token
+    cache: PagedCache,
+    seq: int,
+    pos: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    num_heads, head_dim = q.shape
+    num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
+    out = torch.zeros(num_heads, head_dim, dtype=torch.float64)
+    for h in range(num_heads):
+        kv_head = h // (num_heads // num_kv_heads)
+        scores, values = [], []
+        for p in range(pos + 1):
+            if sliding_window is not None and p <= pos - sliding_window:
+                continue
+            block = int(cache.block_tables[seq, p // block_size])
+            key = cache.k[block, p % block_size, kv_head].double()
+            s = float(q[h].double() @ key) * scale
+            scores.append(soft_cap * math.tanh(s / soft_cap) if soft_cap else s)
+            values.append(cache.v[block, p % block_size, kv_head].double())
+        top = max(scores)
+        weights = [math.exp(s - top) for s in scores]
+        for w, value in zip(weights, values, strict=True):
+            out[h] += w / sum(weights) * value
+    return out
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (3, 2.0)])
+def test_reference_matches_naive_loop(sliding_window: int | None, soft_cap: float | None) -> None:
+    torch.manual_seed(0)
+    cache = PagedCache([7, 3], num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    scale = 0.5
+    q = torch.randn(2, 4, 8, device=DEVICE)  # (batch, num_heads, head_dim)
+    out = paged_decode_attention_ref(
+        q, cache.k, cache.v, cache.block_tables, cache.context_lens, scale, sliding_window, soft_cap
+    )
+    for b, n in enumerate([7, 3]):
+        expected = _naive_attention(q[b].cpu(), cache, b, n - 1, scale, sliding_window, soft_cap)
+        torch.testing.assert_close(out[b].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+    q_lens = [4, 1]  # sequence 0: prefix 3 + 4 new tokens; sequence 1: prefix 2 + 1
+    cu = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEVICE)
+    qp = torch.randn(5, 4, 8, device=DEVICE)
+    out = paged_prefill_attention_ref(
+        qp, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, scale, sliding_window,
+        soft_cap,
+    )  # fmt: skip
+    for b, (n, q_len) in enumerate(zip([7, 3], q_lens, strict=True)):
+        for j in range(q_len):
+            token = int(cu[b]) + j
+            pos = n - q_len + j
+            expected = _naive_attention(
+                qp[token].cpu(), cache, b, pos, scale, sliding_window, soft_cap
+            )
+            torch.testing.assert_close(out[token].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+DECODE_SHAPES = [  # (dtype, num_heads, num_kv_heads, head_dim, block_size)
+    (torch.float32, 4, 4, 64, 16),
+    (torch.float32, 8, 2, 128, 32),
+    (torch.float32, 16, 2, 64, 16),
+    (torch.float16, 8, 2, 64, 16),
+    (torch.float16, 4, 4, 128, 32),
+    (torch.bfloat16, 16, 2, 128, 32),
+    (torch.bfloat16, 8, 2, 64, 16),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", DECODE_SHAPES)
+def test_decode_matches_reference_on_mixed_batch(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    torch.manual_seed(1)
+    lens = [1, 37, 150]  # short and long, not multiples of the block size
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
+    _assert_close(decode.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_kv_merges_to_reference(num_splits: int) -> None:
+    """3 splits of 64-token tiles all hold keys; 8 leaves most splits of every sequence empty."""
+    torch.manual_seed(2)
+    cache = PagedCache([9, 190], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
+    out = decode.paged_decode_attention(*args, num_splits=num_splits)
+    _assert_close(out, paged_decode_attention_ref(*args))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    cache = PagedCache([5, 70, 140], num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    q = 4 * torch.randn(3, 8, 64, dtype=dtype, device=DEVICE)  # large scores make the cap matter
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
+    for window, cap in [(20, None), (None, 3.0), (33, 5.0)]:
+        expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
+        out = decode.paged_decode_attention(*args, window, cap, num_splits=2)
+        _assert_close(out, expected)
+
+
+def test_decode_split_heuristic() -> None:
+    h200_sms = 132
+    assert decode.choose_num_splits(1, 8, 16384, h200_sms) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(1, 8, 1024, h200_sms) == 1024 // decode.MIN_TOKENS_PER_SPLIT
+    assert decode.choose_num_splits(16, 8, 4096, h200_sms) > 1
+    assert decode.choose_num_splits(64, 8, 4096, h200_sms) == 1
+    assert decode.choose_num_splits(4, 8, 100, h200_sms) == 1  # too short to be worth a merge
+
+
+# --- prefill --------------------------------------------------------------------------------------
+
+PREFILL_SHAPES = [  # (dtype, num_heads, num_kv_heads, head_dim, block_size)
+    (torch.float32, 4, 4, 64, 16),
+    (torch.float32, 8, 1, 32, 16),
+    (torch.float32, 8, 2, 128, 32),
+    (torch.float16, 8, 2, 64, 32),
+    (torch.bfloat16, 8, 1, 128, 16),
+]
+
+
+def _packed_queries(
+    q_lens: list[int], num_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (num_tokens, num_heads, head_dim) packed, and cu_seqlens_q: (batch + 1,)."""
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
+    return q, cu.to(DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", PREFILL_SHAPES)
+def test_prefill_with_cached_prefix_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    torch.manual_seed(4)
+    prefix_lens, q_lens = (
+        [0, 45, 19],
+        [70, 1, 22],
+    )  # fresh prompt crossing a tile; decode-like; extend
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
+    q, cu = _packed_queries(q_lens, num_heads, head_dim, dtype)
+    args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
+    _assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    prefix_lens, q_lens = [30, 0, 7], [40, 3, 0]  # an empty chunk in the batch is legal
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = PagedCache(lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    q, cu = _packed_queries(q_lens, 4, 64, dtype)
+    q = 4 * q
+    args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 0.125)
+    for window, cap in [(16, None), (None, 3.0), (9, 5.0)]:
+        expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
+        _assert_close(prefill.paged_prefill_attention(*args, window, cap), expected)
+
+
+# --- store_kv and the dispatch --------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_the_slots_of_the_pool_view(dtype: torch.dtype) -> None:
+    torch.manual_seed(6)
+    cache = PagedCache([40], num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    slots = torch.tensor([3, 17, 33, -1, 47], device=DEVICE)  # -1: padding token, not written
+    k = torch.randn(5, 2, 64, dtype=dtype, device=DEVICE)
+    v = torch.randn(5, 2, 64, dtype=dtype, device=DEVICE)
+    expected = cache.pool.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // 16, 1, 0, slot % 16] = k[t]
+            expected[slot // 16, 1, 1, slot % 16] = v[t]
+    reference_pool = cache.pool.clone()
+    store_kv_ref(k, v, reference_pool[:, 1, 0], reference_pool[:, 1, 1], slots)
+    store_kv.store_kv(k, v, cache.k, cache.v, slots)
+    assert torch.equal(reference_pool, expected)
+    assert torch.equal(cache.pool, expected)  # other layers and the padding slot untouched
+
+
+@needs_kernels
+def test_dispatch_forced_triton_matches_torch_end_to_end() -> None:
+    """write_kv + prefill + decode through both backends give the same cache and outputs."""
+    torch.manual_seed(7)
+    dtype, num_heads, head_dim = torch.float16, 8, 64
+    backends: tuple[attention.AttentionBackend, ...] = ("torch", "triton")
+    caches = {b: PagedCache([20, 50], 2, head_dim, 16, dtype) for b in backends}
+    caches["triton"].pool.copy_(caches["torch"].pool)
+    caches["triton"].block_tables = caches["torch"].block_tables
+    c = caches["torch"]
+    k = torch.randn(3, 2, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn(3, 2, head_dim, dtype=dtype, device=DEVICE)
+    bt = c.block_tables
+
+    def slot(seq: int, pos: int) -> int:
+        return int(bt[seq, pos // 16]) * 16 + pos % 16
+
+    # The new tokens: the decode token of sequence 0 and a 2-token chunk ending sequence 1.
+    slots = torch.tensor([slot(0, 19), slot(1, 48), slot(1, 49)], device=DEVICE)
+    q = torch.randn(3, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    outs = {}
+    for backend, cache in caches.items():
+        attention.write_kv(k, v, cache.k, cache.v, slots, backend=backend)
+        dec = attention.decode_attention(
+            q[:1], cache.k, cache.v, bt[:1], c.context_lens[:1], 0.125, backend=backend
+        )
+        pre = attention.prefill_attention(
+            q[1:], cache.k, cache.v, bt[1:], cu[1:] - 1, c.context_lens[1:], 0.125, backend=backend
+        )
+        outs[backend] = (dec, pre)
+    assert torch.equal(caches["torch"].pool, caches["triton"].pool)
+    for got, expected in zip(outs["triton"], outs["torch"], strict=True):
+        _assert_close(got, expected)
+
+
+def test_dispatch_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("auto took the Triton path")
+
+    monkeypatch.setattr(decode, "paged_decode_attention", fail)
+    x = torch.zeros(1, 4, 16, device=DEVICE)
+    assert attention._use_triton("auto", x) is ON_GPU
+    if not ON_GPU:
+        cache = PagedCache([3], 4, 16, 16, torch.float32)
+        attention.decode_attention(x, cache.k, cache.v, cache.block_tables, cache.context_lens, 1.0)
+    with pytest.raises(ValueError, match="attention backend"):
+        attention._use_triton("cuda", x)  # type: ignore[arg-type]
+
+
+def test_dispatch_refuses_compiled_kernels_on_cpu() -> None:
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        attention._check_runnable(torch.zeros(1), object())
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the kernels run in this process")
+def test_kernels_in_a_fresh_interpreter_process() -> None:
+    """Triton was imported compiled before this module: rerun the file in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    argv += ["-k", "not test_kernels_in_a_fresh_interpreter_process"]
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "skipped" not in result.stdout.splitlines()[-1]  # the kernels really ran there
