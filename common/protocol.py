@@ -1,0 +1,227 @@
+"""Every message that crosses a process boundary, as tagged msgspec Structs encoded to msgpack.
+
+    frontend ──GenerateRequest / Abort──────────────▶ orchestrator (ROUTER)
+    orchestrator ──RequestFailed────────────────────▶ frontend
+    worker ──Register / Heartbeat / WorkerStats─────▶ orchestrator ──Registered / Refused──▶ worker
+    orchestrator ──PrefillRequest / Abort───────────▶ context worker
+    context worker ──PrefillDone────────────────────▶ orchestrator
+    orchestrator ──DecodeRequest / Abort────────────▶ generation worker
+    generation worker ══NIXL READ (KV blocks)═══════▶ context worker (notification frees its lease)
+    generation worker ──RequestFinished─────────────▶ orchestrator
+    context / generation worker ──TokenBatch (PUSH)─▶ postproc worker (PULL), hash(request_id) % pool
+    postproc worker ──Abort(reason="stop")──────────▶ orchestrator
+    postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at GenerateRequest.reply_to)
+
+Bulk data never rides ZMQ: KV moves over NIXL, prompts travel once as base64 int32, tokens as deltas.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["context", "generation", "postproc"]
+
+
+class _Message(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
+    pass
+
+
+def encode_token_ids(token_ids: list[int]) -> str:
+    """Prompt token ids as base64 of little-endian int32: compact, and never a JSON list."""
+    return base64.b64encode(np.asarray(token_ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_token_ids(b64: str) -> list[int]:
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) % 4:
+        raise ValueError("prompt_token_ids_b64 must hold a whole number of int32 values")
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How the postproc worker turns this request's tokens into OpenAI chunks."""
+
+    kind: Literal["completion", "chat"] = "completion"
+    model: str = ""
+    created: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    echo_prompt: str | None = None  # completion echo: the prompt text to prepend
+    stop: list[str] = msgspec.field(default_factory=list)
+    skip_special_tokens: bool = True
+    prompt_token_ids_b64: str = ""  # for echo / logprobs of the prompt and usage
+    parser_state: dict[str, object] = msgspec.field(default_factory=dict)  # reasoning / tool parsers
+
+
+class GenerateRequest(_Message, tag="generate"):
+    request_id: str
+    prompt_token_ids_b64: str
+    sampling: SamplingParams
+    output: OutputOptions
+    reply_to: str  # the frontend's PULL address for this request's chunks
+    cache_salt: str | None = None
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class Abort(_Message, tag="abort"):
+    request_id: str
+    reason: Literal["client", "stop", "error", "shutdown"] = "client"
+
+
+class RequestFailed(_Message, tag="failed"):
+    """A request ended before or instead of its output; the frontend turns it into an HTTP error."""
+
+    request_id: str
+    status_code: int
+    message: str
+    code: str = "internal_error"
+
+
+class KVPool(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's NIXL-registered KV pool, exchanged once at registration."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    num_blocks: int
+    block_num_bytes: int
+    device_id: int = 0
+    memory_kind: str = "DRAM"
+
+
+class Register(_Message, tag="register"):
+    worker_id: str
+    role: Role
+    protocol_version: int
+    pid: int
+    address: str = ""  # the worker's own PULL address (postproc: where TokenBatches go)
+    kv_pool: KVPool | None = None
+    num_blocks: int = 0
+
+
+class Registered(_Message, tag="registered"):
+    """Sent to a worker on registration, and again when peers change: everyone it must know."""
+
+    peers: list[KVPool] = msgspec.field(default_factory=list)
+    postproc_addresses: list[str] = msgspec.field(default_factory=list)
+
+
+class Refused(_Message, tag="refused"):
+    reason: str
+
+
+class WorkerStats(_Message, tag="stats"):
+    """Sent with each heartbeat: what /cluster_info and the routers need."""
+
+    worker_id: str
+    active_requests: int = 0
+    active_tokens: int = 0
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_total: int = 0
+    blocks_leased: int = 0
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    worker_id: str
+    stats: WorkerStats | None = None
+
+
+class PrefillRequest(_Message, tag="prefill"):
+    request: GenerateRequest
+    postproc_address: str
+
+
+class PrefillDone(_Message, tag="prefill_done"):
+    """The context worker's answer: the first token, and the leased blocks that hold the prompt's KV."""
+
+    request_id: str
+    worker_id: str
+    first_token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # set when the first token already ends the request
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class DecodeRequest(_Message, tag="decode"):
+    request: GenerateRequest
+    postproc_address: str
+    prefill: PrefillDone | None = None  # None: aggregated, the generation worker prefills itself
+    source_agent: str = ""  # the context worker's NIXL agent
+
+
+class RequestFinished(_Message, tag="finished"):
+    request_id: str
+    worker_id: str
+    finish_reason: str
+    num_output_tokens: int = 0
+    transfer_num_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one choice of one request, from one engine step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TokenBatch(_Message, tag="tokens"):
+    deltas: list[TokenDelta]
+    first: list[GenerateRequest] = msgspec.field(default_factory=list)  # requests new to this postproc
+
+
+class Chunk(_Message, tag="chunk"):
+    """Bytes ready for the client: SSE frames when streaming, the whole JSON body otherwise."""
+
+    request_id: str
+    data: bytes
+    done: bool = False
+    status_code: int = 200
+
+
+Message = (
+    GenerateRequest
+    | Abort
+    | RequestFailed
+    | Register
+    | Registered
+    | Refused
+    | Heartbeat
+    | WorkerStats
+    | PrefillRequest
+    | PrefillDone
+    | DecodeRequest
+    | RequestFinished
+    | TokenBatch
+    | Chunk
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Raises msgspec.DecodeError / ValidationError on malformed or unknown messages."""
+    return _decoder.decode(data)

@@ -1,0 +1,70 @@
+"""The wire protocol: every message round-trips, tags are unique, malformed bytes fail loudly."""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+import pytest
+
+from common import protocol
+from common.protocol import decode, decode_token_ids, encode, encode_token_ids
+from common.sampling_params import SamplingParams
+
+
+def sample_request() -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(
+        request_id="cmpl-1",
+        prompt_token_ids_b64=encode_token_ids([1, 2, 70000]),
+        sampling=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"]),
+        output=protocol.OutputOptions(kind="chat", model="tiny", stream=True),
+        reply_to="tcp://127.0.0.1:6000",
+    )
+
+
+def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
+    members = typing.get_args(protocol.Message)
+    defined = [
+        obj for obj in vars(protocol).values()
+        if isinstance(obj, type) and issubclass(obj, protocol._Message) and obj is not protocol._Message
+    ]  # fmt: skip
+    assert set(defined) == set(members)
+    tags = [m.__struct_config__.tag for m in members]
+    assert len(tags) == len(set(tags))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        sample_request(),
+        protocol.Abort(request_id="cmpl-1", reason="stop"),
+        protocol.Register(worker_id="gen-0", role="generation", protocol_version=1, pid=42),
+        protocol.PrefillDone(request_id="cmpl-1", worker_id="ctx-0", first_token_id=5, block_ids=[3, 4]),
+        protocol.DecodeRequest(request=sample_request(), postproc_address="tcp://127.0.0.1:6001"),
+        protocol.TokenBatch(
+            deltas=[protocol.TokenDelta("cmpl-1", 0, [7, 8], [-0.5, -0.25], None, "stop")],
+            first=[sample_request()],
+        ),
+        protocol.Chunk(request_id="cmpl-1", data=b"data: {}\n\n"),
+    ],
+)
+def test_messages_round_trip(message: protocol.Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_prompt_token_ids_travel_as_base64_int32() -> None:
+    ids = [0, 1, 151643, 2**31 - 1]
+    b64 = encode_token_ids(ids)
+    assert decode_token_ids(b64) == ids
+    assert len(b64) == 4 * ((4 * len(ids) + 2) // 3)
+
+
+def test_bad_base64_length_is_rejected() -> None:
+    with pytest.raises(ValueError, match="int32"):
+        decode_token_ids("AAA=")
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgspec.msgpack.encode({"type": "nope"})])
+def test_malformed_or_unknown_messages_raise(data: bytes) -> None:
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        decode(data)
