@@ -1,8 +1,9 @@
 """Engine throughput against Hugging Face `generate` on the same model, side by side in one run.
 
-For each concurrency level the engine runs that many requests as one continuous batch; HF runs the same
-requests one at a time and as one padded batch. Every request generates exactly `--max-tokens` tokens
-(EOS ignored on both sides) so the token counts are equal. Figures are medians of `--repeats` runs.
+For each concurrency level the engine runs that many requests as one continuous batch; HF runs the
+same requests one at a time and as one padded batch. Every request generates exactly `--max-tokens`
+tokens (EOS ignored on both sides) so the token counts are equal. Figures are medians of `--repeats`
+runs.
 
     .venv/bin/python bench/engine.py [--model builtin:tiny] [--out bench/results/engine.json]
 """
@@ -28,7 +29,9 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 
 
-def make_prompts(tokenizer: object, count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
+def make_prompts(
+    tokenizer: object, count: int, seed: int, min_len: int, max_len: int
+) -> list[list[int]]:
     """Seeded prompts of varied length cut from the shipped corpus."""
     corpus = (ROOT / "engine/data/corpus.txt").read_text()
     ids = tokenizer.encode(corpus)  # type: ignore[attr-defined]
@@ -50,7 +53,9 @@ def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     return len(prompts) * max_tokens / elapsed
 
 
-def time_hf(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
+def time_hf(
+    model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, pad_id: int
+) -> float:
     """HF generate over `prompts` as one left-padded batch."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
@@ -91,8 +96,11 @@ def main() -> None:
     seq_prompts = make_prompts(llm.tokenizer, args.hf_sequential_requests, args.seed, lo, hi)
     hf_sequential = median_of(
         args.repeats,
-        lambda: len(seq_prompts) * args.max_tokens
-        / sum(args.max_tokens / time_hf(hf, [p], args.max_tokens, pad_id) for p in seq_prompts),
+        lambda: (
+            len(seq_prompts)
+            * args.max_tokens
+            / sum(args.max_tokens / time_hf(hf, [p], args.max_tokens, pad_id) for p in seq_prompts)
+        ),
     )
     levels = {}
     for concurrency in args.concurrency:

@@ -1,7 +1,7 @@
 """cluster.yaml as one typed, frozen tree, validated before anything starts.
 
-Every key is declared here with its default; an unknown key, a wrong type or an out-of-range value is
-rejected with the key's path (`kv_cache.block_size`) and the reason.
+Every key is declared here with its default; an unknown key, a wrong type or an out-of-range value
+is rejected with the key's path (`kv_cache.block_size`) and the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 class FrontendConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
-    processes: Positive = 1  # several processes share the port, so one event loop is not the ceiling
+    processes: Positive = (
+        1  # several processes share the port, so one event loop is not the ceiling
+    )
     api_key: str | None = None
 
 
@@ -101,7 +103,7 @@ def parse_cluster_config(text: str, source: str = "cluster.yaml") -> ClusterConf
 
 
 def _readable(message: str) -> str:
-    """msgspec says 'Expected `int` >= 1 - at `$.kv_cache.block_size`'; lead with the key instead."""
+    """msgspec says 'Expected `int` >= 1 - at `$.kv_cache.block_size`'; lead with the key."""
     reason, sep, where = message.rpartition(" - at `$.")
     if not sep:
         return message

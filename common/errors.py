@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as asked; `param` names the offending field when there is one."""
+    """The request cannot be served as asked; `param` names the offending field, if any."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

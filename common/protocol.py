@@ -8,11 +8,12 @@
     orchestrator ──DecodeRequest / Abort────────────▶ generation worker
     generation worker ══NIXL READ (KV blocks)═══════▶ context worker (notification frees its lease)
     generation worker ──RequestFinished─────────────▶ orchestrator
-    context / generation worker ──TokenBatch (PUSH)─▶ postproc worker (PULL), hash(request_id) % pool
+    context / generation worker ──TokenBatch (PUSH)─▶ postproc worker (PULL), by request id
     postproc worker ──Abort(reason="stop")──────────▶ orchestrator
     postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at GenerateRequest.reply_to)
 
-Bulk data never rides ZMQ: KV moves over NIXL, prompts travel once as base64 int32, tokens as deltas.
+Bulk data never rides ZMQ: KV moves over NIXL, prompts travel once as base64 int32, tokens as
+deltas.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def decode_token_ids(b64: str) -> list[int]:
     raw = base64.b64decode(b64, validate=True)
     if len(raw) % 4:
         raise ValueError("prompt_token_ids_b64 must hold a whole number of int32 values")
-    return np.frombuffer(raw, dtype="<i4").tolist()
+    return [int(i) for i in np.frombuffer(raw, dtype="<i4")]
 
 
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -58,7 +59,9 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
     prompt_token_ids_b64: str = ""  # for echo / logprobs of the prompt and usage
-    parser_state: dict[str, object] = msgspec.field(default_factory=dict)  # reasoning / tool parsers
+    parser_state: dict[str, object] = msgspec.field(
+        default_factory=dict
+    )  # reasoning / tool parsers
 
 
 class GenerateRequest(_Message, tag="generate"):
@@ -142,7 +145,8 @@ class PrefillRequest(_Message, tag="prefill"):
 
 
 class PrefillDone(_Message, tag="prefill_done"):
-    """The context worker's answer: the first token, and the leased blocks that hold the prompt's KV."""
+    """The context worker's answer: the first token, and the leased blocks that hold the prompt's
+    KV."""
 
     request_id: str
     worker_id: str
@@ -185,7 +189,9 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class TokenBatch(_Message, tag="tokens"):
     deltas: list[TokenDelta]
-    first: list[GenerateRequest] = msgspec.field(default_factory=list)  # requests new to this postproc
+    first: list[GenerateRequest] = msgspec.field(
+        default_factory=list
+    )  # requests new to this postproc
 
 
 class Chunk(_Message, tag="chunk"):

@@ -1,7 +1,8 @@
 """Sampling parameters of one request, as they travel from the frontend to the workers.
 
-A msgspec Struct so it can ride inside protocol messages unchanged; `validate()` is the one place that
-decides what the engine accepts, so the HTTP layer and the in-process API reject the same things.
+A msgspec Struct so it can ride inside protocol messages unchanged; `validate()` is the one place
+that decides what the engine accepts, so the HTTP layer and the in-process API reject the same
+things.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine settings: one frozen record built by the entry point (cluster.yaml or the in-process API)."""
+"""Engine settings: one frozen record built by the entry point (cluster.yaml or the LLM API)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ class EngineConfig:
     num_blocks: int = 2048
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64  # sequences in one continuous batch
-    max_num_batched_tokens: int = 2048  # token budget of one step; smaller means smaller prefill chunks
+    max_num_batched_tokens: int = (
+        2048  # token budget of one step; smaller means smaller prefill chunks
+    )
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
 
@@ -32,7 +34,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton")
+            raise ValueError("attention_backend must be auto, torch or triton")
 
     @property
     def torch_dtype(self) -> torch.dtype:

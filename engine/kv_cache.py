@@ -4,9 +4,9 @@
              │            │        └ 0 = K, 1 = V
              └ one block of every layer is one contiguous byte range
 
-Block-major keeps each block in a single region, so a NIXL transfer moves a block with one descriptor
-whatever the layer count. Attention sees per-layer views of shape
-(num_blocks, block_size, num_kv_heads, head_dim) whose stride(0) spans the other layers.
+Block-major keeps each block in a single region, so a NIXL transfer moves a block with one
+descriptor whatever the layer count. Attention sees per-layer views of shape (num_blocks,
+block_size, num_kv_heads, head_dim) whose stride(0) spans the other layers.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Workers drive it directly (add_request / step / abort); `engine.llm.LLM` wraps i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from common.errors import InvalidRequest
 from common.block_hash import ExtraKey
+from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
@@ -42,9 +41,15 @@ class LLMEngine:
         self.model_dir = config.model_dir()
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(config.device)
+        self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
+            config.device
+        )
         self.kv_cache = KVCache(
-            self.model_config, config.num_blocks, config.block_size, config.torch_dtype, config.device
+            self.model_config,
+            config.num_blocks,
+            config.block_size,
+            config.torch_dtype,
+            config.device,
         )
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -63,7 +68,7 @@ class LLMEngine:
         params: SamplingParams,
         extra_keys: tuple[ExtraKey, ...] = (),
     ) -> None:
-        """Queue a request (n sequences); raises InvalidRequest and changes nothing if it can't run."""
+        """Queue a request (n sequences); if it can't run, raise InvalidRequest, change nothing."""
         self._validate(request_id, prompt_token_ids, params)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -131,14 +136,15 @@ class LLMEngine:
         params.validate(vocab_size)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt)} tokens and max_tokens is {params.max_tokens} "
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt) + params.max_tokens} in total)",
                 "max_tokens" if len(prompt) < self.max_model_len else "prompt",
             )
         needed_blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
         if needed_blocks > self.config.num_blocks:
             raise InvalidRequest(
-                f"the request needs {needed_blocks} KV blocks; the cache has {self.config.num_blocks}",
+                f"the request needs {needed_blocks} KV blocks; "
+                f"the cache has {self.config.num_blocks}",
                 "max_tokens",
             )

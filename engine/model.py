@@ -1,8 +1,9 @@
 """Llama / Qwen2 / Qwen3 decoder over the paged KV cache.
 
-Module and parameter names mirror Hugging Face's so safetensors checkpoints load by name. The forward
-pass works on a flat batch of tokens (prefill chunks and decode tokens of many sequences together);
-`AttentionMetadata` says which tokens belong to whom and where their K/V live in the cache.
+Module and parameter names mirror Hugging Face's so safetensors checkpoints load by name. The
+forward pass works on a flat batch of tokens (prefill chunks and decode tokens of many sequences
+together); `AttentionMetadata` says which tokens belong to whom and where their K/V live in the
+cache.
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> Caus
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
+        raise ValueError(
+            f"{model_dir}: checkpoint mismatch, missing={missing} unexpected={unexpected}"
+        )
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
     return model.eval()

@@ -1,7 +1,8 @@
 """The parts of a Hugging Face config.json that the engine needs, read without transformers.
 
-Workers load models from a local directory; reading the JSON ourselves keeps the supported set explicit
-(Llama, Qwen2, Qwen3 decoders) and rejects anything else with a message instead of wrong numbers.
+Workers load models from a local directory; reading the JSON ourselves keeps the supported set
+explicit (Llama, Qwen2, Qwen3 decoders) and rejects anything else with a message instead of wrong
+numbers.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class ModelConfig:
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-            raise ValueError(f"{model_dir}: model_type {model_type!r} is not supported ({supported})")
+            raise ValueError(
+                f"{model_dir}: model_type {model_type!r} is not supported ({supported})"
+            )
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         use_window = raw.get("use_sliding_window", False) and raw.get("sliding_window")
@@ -75,7 +78,7 @@ class ModelConfig:
 
 
 def _rope_config(raw: dict) -> RopeConfig:
-    # transformers 5 nests theta and scaling in `rope_parameters`; 4.x used rope_theta + rope_scaling.
+    # transformers 5 nests theta and scaling in `rope_parameters`; 4.x had rope_theta, rope_scaling.
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = params.get("rope_type") or params.get("type") or "default"

@@ -1,8 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model, and returns logits for the sampling rows.
 
-Decode tokens (one new token for a sequence) go first and use the decode kernel; prefill chunks follow,
-packed back to back, and use the prefill/extend kernel. Only rows that end a sequence's known tokens are
-projected to logits.
+Decode tokens (one new token for a sequence) go first and use the decode kernel; prefill chunks
+follow, packed back to back, and use the prefill/extend kernel. Only rows that end a sequence's
+known tokens are projected to logits.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class ModelRunner:
         lens = torch.tensor([c.num_new_tokens for c in chunks])
         starts = torch.tensor([c.seq.num_computed_tokens for c in chunks])
         seq_index = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # (num_tokens,)
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens
+        )
         positions = starts[seq_index] + offsets
         return torch.tensor(ids, dtype=torch.long), positions, seq_index
 

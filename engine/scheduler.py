@@ -1,10 +1,10 @@
 """Continuous batching with chunked prefill under a token budget, and preemption by recompute.
 
-Each step: running sequences first (a decode token each, or the next chunk of a prefill), then waiting
-sequences are admitted while the budget, `max_num_seqs` and free blocks allow. When a running sequence
-cannot get a block, the most recently admitted running sequence is preempted: its blocks are freed and
-it returns to the head of the queue to be recomputed later (its full blocks usually survive in the
-prefix cache, so the recompute is cheap).
+Each step: running sequences first (a decode token each, or the next chunk of a prefill), then
+waiting sequences are admitted while the budget, `max_num_seqs` and free blocks allow. When a
+running sequence cannot get a block, the most recently admitted running sequence is preempted: its
+blocks are freed and it returns to the head of the queue to be recomputed later (its full blocks
+usually survive in the prefix cache, so the recompute is cheap).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so the step yields a new token."""
+        """True when this chunk reaches the sequence's last token: the step yields a new token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
@@ -89,7 +89,8 @@ class Scheduler:
         return out
 
     def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
-        """Find blocks for `num_new` more tokens, preempting from the tail; False if `seq` itself went."""
+        """Find blocks for `num_new` more tokens, preempting from the tail; False if `seq` itself
+        went."""
         while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
             victim = self.running[-1]
             self._preempt(victim)
@@ -124,7 +125,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, out: SchedulerOutput, sampled: SampleResult) -> list[Sequence]:
-        """Advance computed counts, register full blocks, append sampled tokens, finish stopped ones.
+        """Advance computed counts, register full blocks, append sampled tokens, finish stopped
+        ones.
 
         Returns the sequences that received a token, in the order of `out.sampling_seqs`.
         """

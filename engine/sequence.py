@@ -1,4 +1,5 @@
-"""One sequence being generated: its tokens, how far the KV cache has computed them, and why it ended.
+"""One sequence being generated: its tokens, how far the KV cache has computed them, and why it
+ended.
 
 A request with n > 1 becomes n sequences that share the prompt (and its cached blocks).
 """

@@ -1,4 +1,4 @@
-"""The import rules of ARCHITECTURE.md: light packages stay torch-free, process packages stay apart."""
+"""ARCHITECTURE.md's import rules: light packages stay torch-free, process packages stay apart."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROCESS_PACKAGES = ["frontend", "orchestrator", "context_worker", "generation_worker", "postproc_worker"]
+PROCESS_PACKAGES = [
+    "frontend",
+    "orchestrator",
+    "context_worker",
+    "generation_worker",
+    "postproc_worker",
+]
 TORCH_FREE = ["common", "frontend", "orchestrator", "postproc_worker"]
 HEAVY = {"torch", "triton", "nixl", "nixl_cu12", "nixl_cu13", "transformers", "engine"}
 

@@ -24,10 +24,12 @@ def sample_request() -> protocol.GenerateRequest:
 
 def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
     members = typing.get_args(protocol.Message)
+    base = protocol._Message
     defined = [
-        obj for obj in vars(protocol).values()
-        if isinstance(obj, type) and issubclass(obj, protocol._Message) and obj is not protocol._Message
-    ]  # fmt: skip
+        obj
+        for obj in vars(protocol).values()
+        if isinstance(obj, type) and issubclass(obj, base) and obj is not base
+    ]
     assert set(defined) == set(members)
     tags = [m.__struct_config__.tag for m in members]
     assert len(tags) == len(set(tags))
@@ -39,7 +41,9 @@ def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
         sample_request(),
         protocol.Abort(request_id="cmpl-1", reason="stop"),
         protocol.Register(worker_id="gen-0", role="generation", protocol_version=1, pid=42),
-        protocol.PrefillDone(request_id="cmpl-1", worker_id="ctx-0", first_token_id=5, block_ids=[3, 4]),
+        protocol.PrefillDone(
+            request_id="cmpl-1", worker_id="ctx-0", first_token_id=5, block_ids=[3, 4]
+        ),
         protocol.DecodeRequest(request=sample_request(), postproc_address="tcp://127.0.0.1:6001"),
         protocol.TokenBatch(
             deltas=[protocol.TokenDelta("cmpl-1", 0, [7, 8], [-0.5, -0.25], None, "stop")],

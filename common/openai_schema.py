@@ -1,0 +1,123 @@
+"""OpenAI response shapes (completions and chat completions, streamed and not) as msgspec Structs.
+
+The postproc workers encode them; the frontend adds its request schemas here. Fields that
+OpenAI sends as `null` default to None and are always encoded; fields that OpenAI leaves out
+unless asked for default to UNSET, which msgspec omits (`usage` on chunks without
+`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+# --- /v1/completions ------------------------------------------------------------------------------
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """Legacy completion logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """The non-streaming body, and (with the same object name) each streamed chunk."""
+
+    id: str
+    object_: Literal["text_completion"] = msgspec.field(default="text_completion", name="object")
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    token_bytes: list[int] | None = msgspec.field(default=None, name="bytes")
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    token_bytes: list[int] | None = msgspec.field(default=None, name="bytes")
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    # reasoning_content / tool_calls: added by the reasoning and tool parsers
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object_: Literal["chat.completion"] = msgspec.field(default="chat.completion", name="object")
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed chat delta: only the fields that changed ("{}" on a bare finish chunk)."""
+
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+    # reasoning_content / tool_calls: added by the reasoning and tool parsers
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object_: Literal["chat.completion.chunk"] = msgspec.field(
+        default="chat.completion.chunk", name="object"
+    )
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET

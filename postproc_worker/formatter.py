@@ -1,0 +1,335 @@
+"""One request's post-processing: token deltas in, OpenAI bytes out (SSE frames, or one JSON body).
+
+    TokenDelta (one choice) ──▶ detokenizer ──▶ stop strings ──▶ [parser hook] ──▶ chunk / body
+
+A `RequestState` lives in the postproc worker from the request's first TokenBatch until `done`.
+Each `add(delta)` returns the bytes to push to the frontend, whether the request is done, and
+whether the engine must be told to stop (a stop string matched while it was still decoding: send
+`Abort(reason="stop")`). Abort carries only the request id, so with n > 1 a choice that hit a
+stop string keeps decoding upstream (its tokens are dropped here) until every choice is finished.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from common.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from common.protocol import GenerateRequest, TokenDelta, decode_token_ids
+from common.tokenizer import Tokenizer
+from postproc_worker.detokenizer import IncrementalDetokenizer
+from postproc_worker.stop_strings import StopStringMatcher
+
+SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # stands for -inf (JSON has no infinity), as in vLLM
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What to do after a delta: push `data` (if any), drop the request, abort upstream."""
+
+    data: bytes = b""
+    done: bool = False
+    abort_upstream: bool = False
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    text_offset: int  # characters before this token in the choice's text (echo included)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    parser_state: dict[str, object]  # reasoning / tool parsers keep their per-choice state here
+    text_parts: list[str] = field(default_factory=list)  # non-streaming: the whole text so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # streaming: only those not yet sent
+    num_tokens: int = 0
+    finish_reason: str | None = None  # set once the client's view of the choice is complete
+    engine_finished: bool = False  # the engine sent this choice's finish_reason
+    started: bool = False  # streaming: the first chunk (role, or echo) went out
+
+
+class RequestState:
+    """Everything the postproc worker keeps for one request, built from its GenerateRequest."""
+
+    def __init__(self, request: GenerateRequest, tokenizer: Tokenizer) -> None:
+        options = request.output
+        self.request_id = request.request_id
+        self._tokenizer = tokenizer
+        self._chat = options.kind == "chat"
+        self._stream = options.stream
+        self._include_usage = options.include_usage
+        self._model = options.model
+        self._created = options.created
+        self._echo = "" if self._chat else options.echo_prompt or ""
+        self._num_logprobs = request.sampling.logprobs  # None: not asked for
+        self._min_tokens = request.sampling.min_tokens  # stop strings are ignored before this many
+        prompt = request.prompt_token_ids_b64
+        prompt_token_ids = decode_token_ids(prompt) if prompt else []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.done = False
+        self.choices = [
+            ChoiceState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(
+                    tokenizer,
+                    skip_special_tokens=options.skip_special_tokens,
+                    prompt_token_ids=prompt_token_ids,
+                ),
+                stop=StopStringMatcher(options.stop),
+                parser_state=dict(options.parser_state),
+            )
+            for i in range(request.sampling.n)
+        ]
+
+    def add(self, delta: TokenDelta) -> StepOutput:
+        """Feed one choice's new tokens; late ones (request done, or choice stopped) are dropped."""
+        if self.done:
+            return StepOutput(done=True)
+        choice = self.choices[delta.index]
+        self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finish_reason is not None:
+            choice.engine_finished = True
+        if choice.finish_reason is not None:
+            return StepOutput()
+        text = self._consume(choice, delta)
+        if self._stream:
+            data = self._stream_frames(choice, text)
+        else:
+            choice.text_parts.append(text)
+            data = b""
+        self.done = all(c.finish_reason is not None for c in self.choices)
+        if not self.done:
+            return StepOutput(data)
+        data += self._final_frames() if self._stream else self._final_body()
+        abort = not all(c.engine_finished for c in self.choices)
+        return StepOutput(data, done=True, abort_upstream=abort)
+
+    # --- tokens -> text ---------------------------------------------------------------------------
+
+    def _consume(self, choice: ChoiceState, delta: TokenDelta) -> str:
+        """Detokenize, record logprobs, apply stop strings; returns the text the client may see."""
+        parts: list[str] = []
+        last = len(delta.token_ids) - 1
+        for k, token_id in enumerate(delta.token_ids):
+            choice.num_tokens += 1
+            if self._num_logprobs is not None and delta.logprobs is not None:
+                top = delta.top_logprobs[k] if delta.top_logprobs is not None else []
+                offset = len(self._echo) + choice.detokenizer.num_chars
+                choice.logprobs.append(TokenLogprob(token_id, delta.logprobs[k], top, offset))
+            if k == last and delta.finish_reason == "stop":
+                break  # the EOS / stop_token_ids token ends the choice; its text is not output
+            parts.append(self._apply_stop(choice, choice.detokenizer.add((token_id,))))
+            if choice.stop.matched is not None:
+                choice.finish_reason = "stop"
+                return "".join(parts)
+        if delta.finish_reason is not None:
+            parts.append(self._apply_stop(choice, choice.detokenizer.flush()))
+            if choice.stop.matched is None:
+                parts.append(choice.stop.flush())
+            choice.finish_reason = (
+                "stop" if choice.stop.matched is not None else delta.finish_reason
+            )
+        return "".join(parts)
+
+    def _apply_stop(self, choice: ChoiceState, text: str) -> str:
+        if choice.num_tokens < self._min_tokens:
+            return text
+        return choice.stop.feed(text)
+
+    # --- streaming --------------------------------------------------------------------------------
+
+    def _stream_frames(self, choice: ChoiceState, text: str) -> bytes:
+        frames = b""
+        if not choice.started:
+            choice.started = True
+            if self._chat:
+                role = DeltaMessage(role="assistant", content="")
+                frames += self._sse(
+                    self._chat_chunk(ChatChunkChoice(index=choice.index, delta=role))
+                )
+            else:
+                text = self._echo + text
+        if not text and choice.finish_reason is None:
+            return frames  # nothing visible yet: logprobs wait for the chunk that carries the text
+        records, choice.logprobs = choice.logprobs, []
+        if self._chat:
+            chat_choice = ChatChunkChoice(
+                index=choice.index,
+                delta=self._delta_message(choice, text),
+                logprobs=self._chat_logprobs(records) if records else None,
+                finish_reason=choice.finish_reason,
+            )
+            return frames + self._sse(self._chat_chunk(chat_choice))
+        completion_choice = CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._completion_logprobs(records),
+            finish_reason=choice.finish_reason,
+        )
+        return frames + self._sse(self._completion(completion_choice))
+
+    def _delta_message(self, choice: ChoiceState, text: str) -> DeltaMessage:
+        """Hook for the reasoning / tool-call parsers (state: choice.parser_state); content now."""
+        return DeltaMessage(content=text) if text else DeltaMessage()
+
+    def _final_frames(self) -> bytes:
+        frames = b""
+        if self._include_usage:
+            usage = self._usage()
+            if self._chat:
+                frames += self._sse(self._chat_chunk(None, usage))
+            else:
+                frames += self._sse(self._completion(None, usage))
+        return frames + SSE_DONE
+
+    def _completion(
+        self, choice: CompletionChoice | None, usage: Usage | None = None
+    ) -> Completion:
+        return Completion(
+            id=self.request_id,
+            created=self._created,
+            model=self._model,
+            choices=[choice] if choice is not None else [],
+            usage=usage if usage is not None else self._chunk_usage(),
+        )
+
+    def _chat_chunk(
+        self, choice: ChatChunkChoice | None, usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self._created,
+            model=self._model,
+            choices=[choice] if choice is not None else [],
+            usage=usage if usage is not None else self._chunk_usage(),
+        )
+
+    def _chunk_usage(self) -> None | UnsetType:
+        """`"usage": null` on every chunk when the client asked for the usage chunk, else absent."""
+        return None if self._include_usage else UNSET
+
+    @staticmethod
+    def _sse(payload: Completion | ChatCompletionChunk) -> bytes:
+        return b"data: " + _json.encode(payload) + b"\n\n"
+
+    # --- non-streaming ----------------------------------------------------------------------------
+
+    def _final_body(self) -> bytes:
+        if self._chat:
+            return _json.encode(
+                ChatCompletion(
+                    id=self.request_id,
+                    created=self._created,
+                    model=self._model,
+                    choices=[self._chat_choice(c) for c in self.choices],
+                    usage=self._usage(),
+                )
+            )
+        return _json.encode(
+            Completion(
+                id=self.request_id,
+                created=self._created,
+                model=self._model,
+                choices=[
+                    CompletionChoice(
+                        index=c.index,
+                        text=self._echo + "".join(c.text_parts),
+                        logprobs=self._completion_logprobs(c.logprobs),
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in self.choices
+                ],
+                usage=self._usage(),
+            )
+        )
+
+    def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
+        """Hook for the reasoning / tool-call parsers, like `_delta_message`; content for now."""
+        return ChatChoice(
+            index=choice.index,
+            message=ChatMessage(content="".join(choice.text_parts)),
+            logprobs=self._chat_logprobs(choice.logprobs)
+            if self._num_logprobs is not None
+            else None,
+            finish_reason=choice.finish_reason,
+        )
+
+    def _usage(self) -> Usage:
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.num_prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+        )
+
+    # --- logprobs ---------------------------------------------------------------------------------
+
+    def _completion_logprobs(self, records: list[TokenLogprob]) -> CompletionLogprobs | None:
+        """Legacy format: top_logprobs maps token text to logprob, sampled token always included."""
+        if self._num_logprobs is None:
+            return None
+        text = self._tokenizer.token_text
+        logprobs = CompletionLogprobs()
+        for r in records:
+            top = {text(t): _finite(lp) for t, lp in r.top[: self._num_logprobs]}
+            top.setdefault(text(r.token_id), _finite(r.logprob))
+            logprobs.tokens.append(text(r.token_id))
+            logprobs.token_logprobs.append(_finite(r.logprob))
+            logprobs.top_logprobs.append(top)
+            logprobs.text_offset.append(r.text_offset)
+        return logprobs
+
+    def _chat_logprobs(self, records: list[TokenLogprob]) -> ChatLogprobs:
+        k = self._num_logprobs or 0
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=self._tokenizer.token_text(r.token_id),
+                    logprob=_finite(r.logprob),
+                    token_bytes=list(self._tokenizer.token_bytes(r.token_id)),
+                    top_logprobs=[self._top_logprob(t, lp) for t, lp in r.top[:k]],
+                )
+                for r in records
+            ]
+        )
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(
+            token=self._tokenizer.token_text(token_id),
+            logprob=_finite(logprob),
+            token_bytes=list(self._tokenizer.token_bytes(token_id)),
+        )
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
