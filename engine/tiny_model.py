@@ -1,0 +1,325 @@
+"""The deterministic tiny Qwen3 model behind `model: builtin:tiny`, built offline in about a minute.
+
+Tests and local runs need a real Hugging Face checkpoint (config.json, safetensors, tokenizer.json,
+a chat template) that transformers loads, without a model hub. This module writes one: a 4-layer
+Qwen3 with GQA over a real Qwen byte-level BPE cut to 4,096 ids (engine/tiny_tokenizer.py), briefly
+trained on the text in engine/data/ so that greedy continuations vary instead of repeating a token.
+
+    python -m engine.tiny_model PATH      # build into PATH
+    ensure_tiny_model()                    # build once into ~/.cache/pdcluster/tiny-model-v1
+
+Same machine, same library versions -> byte-identical model.safetensors: the seed, the data order
+and the thread count are fixed. Bump TINY_MODEL_VERSION whenever the output changes, so that caches
+are rebuilt.
+"""
+
+import argparse
+import json
+import math
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from engine.tiny_tokenizer import (
+    ADDED_TOKENS,
+    NUM_KEPT_RANKS,
+    added_tokens_decoder,
+    build_tokenizer,
+)
+
+TINY_MODEL_VERSION = 1
+DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster").expanduser() / f"tiny-model-v{TINY_MODEL_VERSION}"
+
+VOCAB_SIZE = NUM_KEPT_RANKS + len(ADDED_TOKENS)  # 4096: already a multiple of 64
+ENDOFTEXT_ID = NUM_KEPT_RANKS  # <|endoftext|>: pad token
+IM_END_ID = NUM_KEPT_RANKS + 2  # <|im_end|>: end of an assistant turn
+# The special markers besides <|endoftext|>, listed as in Qwen3's tokenizer_config.json.
+ADDITIONAL_SPECIAL_TOKENS = [content for content, special in ADDED_TOKENS[1:] if special]
+
+SEED = 20240601
+BUILD_THREADS = 2
+TRAIN_STEPS = 200
+BATCH_SIZE = 4
+SEQ_LEN = 128
+PEAK_LR = 3e-3
+INIT_STD = 0.02
+EMBED_INIT_STD = 1.0
+EMBED_LR_MULT = 10.0  # unit-scale embeddings need larger steps to move as fast, relatively
+
+# An assistant turn's content and its closing marker, as the chat template renders them.
+ASSISTANT_TURN = re.compile(r"(?<=<\|im_start\|>assistant\n).*?<\|im_end\|>", re.DOTALL)
+
+# Plain-text prompts whose 24-token greedy continuations are varied and EOS-free on the built model
+# (checked by tests/unit/test_tiny_model.py); parity tests elsewhere reuse them. Chosen because each
+# kept at least 14 distinct tokens of 24 with five different training seeds, so the small numeric
+# differences between machines should not make them degenerate.
+TEST_PROMPTS: list[str] = [
+    "Question: why does the sky look blue? Answer:",
+    "Chess players learn early that",
+    "Once upon a time",
+    "Prefix caching saves work when",
+    "The scheduler decides which",
+    "The train to the coast leaves at",
+    "Python is a programming language that",
+    "Owls hunt at night because",
+    "The weather today is",
+    "My favourite book is about",
+]
+
+
+def model_config() -> dict[str, object]:
+    """config.json in the layout of Qwen3 checkpoints on the Hub (transformers 5 reads it)."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 4,
+        "tie_word_embeddings": False,
+        "initializer_range": INIT_STD,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def generation_config() -> dict[str, object]:
+    """Stop on either end marker, like Qwen3; no sampling defaults, so generate() is greedy."""
+    return {
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+
+
+def tokenizer_config(chat_template: str) -> dict[str, object]:
+    """tokenizer_config.json for a Qwen2Tokenizer with Qwen3's markers and our chat template."""
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added_tokens_decoder(),
+        "additional_special_tokens": ADDITIONAL_SPECIAL_TOKENS,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 4096,
+        "split_special_tokens": False,
+        "chat_template": chat_template,
+    }
+
+
+def _data_text(name: str) -> str:
+    return resources.files("engine").joinpath("data", name).read_text("utf-8")
+
+
+def load_corpus() -> str:
+    """engine/data/corpus.txt without its comment header (the leading "#" lines)."""
+    lines = _data_text("corpus.txt").splitlines(keepends=True)
+    while lines and lines[0].startswith("#"):
+        lines.pop(0)
+    return "".join(lines).strip() + "\n"
+
+
+def write_json(path: Path, payload: object) -> None:
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_tokenizer_files(path: Path) -> None:
+    build_tokenizer().save(str(path / "tokenizer.json"))
+    write_json(path / "tokenizer_config.json", tokenizer_config(_data_text("chat_template.jinja")))
+    special_tokens = {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ADDITIONAL_SPECIAL_TOKENS,
+    }
+    write_json(path / "special_tokens_map.json", special_tokens)
+
+
+def training_tokens(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and labels: the corpus, then the chat samples rendered by the model's own template.
+
+    In the chats only the assistant turns are targets (label -100 elsewhere), as in fine-tuning:
+    the model reads the markers but never learns to open a turn itself, so plain-text continuations
+    do not drift into "<|im_start|>assistant" loops.
+    """
+    from transformers import AutoTokenizer
+
+    chat_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pieces: list[tuple[str, bool]] = [(load_corpus() + "\n", True)]  # (text, is_target)
+    for sample in json.loads(_data_text("chat_samples.json")):
+        chat = chat_tokenizer.apply_chat_template(
+            sample["messages"], tools=sample.get("tools"), tokenize=False
+        )
+        position = 0
+        for turn in ASSISTANT_TURN.finditer(chat):
+            pieces += [(chat[position : turn.start()], False), (turn.group(), True)]
+            position = turn.end()
+        pieces.append((chat[position:], False))
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, is_target in pieces:
+        piece = tokenizer.encode(text).ids
+        ids += piece
+        labels += piece if is_target else [-100] * len(piece)
+    return torch.tensor(ids), torch.tensor(labels)
+
+
+@contextmanager
+def fixed_threads(num_threads: int) -> Iterator[None]:
+    """Float reductions depend on how work is split across threads; fix the split for the build."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Our own init, so the bytes do not depend on transformers' init code.
+
+    Unit-scale embeddings (the first RMSNorm makes the scale harmless) dominate the small random
+    residual branches at the start, so the model learns "next token given this token" within a few
+    dozen steps; at the usual std 0.02 it sat on a unigram plateau for most of the step budget.
+    """
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, EMBED_INIT_STD, generator=generator)
+            else:
+                param.normal_(0.0, INIT_STD, generator=generator)
+
+
+def learning_rate(step: int, num_steps: int) -> float:
+    """Short linear warmup, then cosine decay to a tenth of the peak."""
+    warmup = max(1, num_steps // 10)
+    if step < warmup:
+        return PEAK_LR * (step + 1) / warmup
+    progress = (step - warmup) / max(1, num_steps - warmup)
+    return PEAK_LR * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def train(
+    model: torch.nn.Module,
+    tokens: tuple[torch.Tensor, torch.Tensor],
+    num_steps: int,
+    generator: torch.Generator,
+) -> float:
+    """A few hundred AdamW steps on random windows of (ids, labels); returns the last loss."""
+    ids, labels = tokens
+    params = dict(model.named_parameters())
+    embed = [p for name, p in params.items() if name.endswith("embed_tokens.weight")]
+    rest = [p for name, p in params.items() if not name.endswith("embed_tokens.weight")]
+    groups = [{"params": embed, "lr_mult": EMBED_LR_MULT}, {"params": rest, "lr_mult": 1.0}]
+    optimizer = torch.optim.AdamW(groups, lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    last_loss = float("nan")
+    for step in range(num_steps):
+        starts = torch.randint(0, len(ids) - SEQ_LEN, (BATCH_SIZE,), generator=generator)
+        batch = torch.stack([ids[s : s + SEQ_LEN] for s in starts.tolist()])  # (batch, seq_len)
+        targets = torch.stack([labels[s : s + SEQ_LEN] for s in starts.tolist()])
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, num_steps) * group["lr_mult"]
+        loss = model(input_ids=batch, labels=targets).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        last_loss = loss.item()
+    model.eval()
+    return last_loss
+
+
+def build_tiny_model(path: Path, *, train_steps: int = TRAIN_STEPS) -> Path:
+    """Write the complete model directory to `path` (created if missing) and return it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(path)
+    write_json(path / "config.json", model_config())
+    write_json(path / "generation_config.json", generation_config())
+
+    with fixed_threads(BUILD_THREADS), torch.random.fork_rng(devices=[]):
+        generator = torch.Generator().manual_seed(SEED)
+        model = Qwen3ForCausalLM(Qwen3Config.from_pretrained(path)).to(torch.float32)
+        init_weights(model, generator)
+        train(model, training_tokens(path), train_steps, generator)
+
+    tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Build the model once into `cache_dir` and return it; safe when several processes race.
+
+    Each process builds in its own temporary sibling folder and renames it into place; rename is
+    atomic, so the cache folder is either absent or complete. A loser of the race drops its copy.
+    """
+    target = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build_tiny_model(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build the deterministic tiny Qwen3 test model.")
+    parser.add_argument(
+        "path", type=Path, nargs="?", help=f"output directory (default: {DEFAULT_CACHE_DIR})"
+    )
+    parser.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.path is None:
+        path = ensure_tiny_model()
+    else:
+        path = build_tiny_model(args.path, train_steps=args.train_steps)
+    print(f"tiny model ready in {path} ({time.perf_counter() - start:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
