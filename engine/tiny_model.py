@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -35,6 +36,9 @@ from engine.tiny_tokenizer import (
     added_tokens_decoder,
     build_tokenizer,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_MODEL_VERSION = 1
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster").expanduser() / f"tiny-model-v{TINY_MODEL_VERSION}"
@@ -54,25 +58,32 @@ PEAK_LR = 3e-3
 INIT_STD = 0.02
 EMBED_INIT_STD = 1.0
 EMBED_LR_MULT = 10.0  # unit-scale embeddings need larger steps to move as fast, relatively
+# The build's own check of TEST_PROMPTS (see build_tiny_model), with the tests' thresholds.
+CHECK_NEW_TOKENS = 24
+CHECK_MIN_DISTINCT = 8
+MAX_TOPUPS = 6
+TOPUP_STEPS = 20
+TOPUP_LR = 1e-3
 
+# Every added token but <|im_end|> is input only in training (see training_tokens).
+INPUT_ONLY_IDS = frozenset(range(NUM_KEPT_RANKS, VOCAB_SIZE)) - {IM_END_ID}
 # An assistant turn's content and its closing marker, as the chat template renders them.
 ASSISTANT_TURN = re.compile(r"(?<=<\|im_start\|>assistant\n).*?<\|im_end\|>", re.DOTALL)
 
 # Plain-text prompts whose 24-token greedy continuations are varied and EOS-free on the built model
-# (checked by tests/unit/test_tiny_model.py); parity tests elsewhere reuse them. Chosen because each
-# kept at least 14 distinct tokens of 24 with five different training seeds, so the small numeric
-# differences between machines should not make them degenerate.
+# (checked by the build itself and by tests/unit/test_tiny_model.py); parity tests elsewhere reuse
+# them. Picked from 36 candidates as the ones that did best across several training seeds.
 TEST_PROMPTS: list[str] = [
-    "Question: why does the sky look blue? Answer:",
-    "Chess players learn early that",
-    "Once upon a time",
-    "Prefix caching saves work when",
-    "The scheduler decides which",
-    "The train to the coast leaves at",
+    "Rivers shape the land",
+    "Every evening the lamp",
+    "import numpy as np\n",
     "Python is a programming language that",
-    "Owls hunt at night because",
+    "def count_words(text: str) -> dict[str, int]:",
+    "A tokenizer turns text into",
+    "Meeting notes, Tuesday.",
+    "Prefix caching saves work when",
+    "Once upon a time",
     "The weather today is",
-    "My favourite book is about",
 ]
 
 
@@ -165,9 +176,9 @@ def write_tokenizer_files(path: Path) -> None:
 def training_tokens(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Input ids and labels: the corpus, then the chat samples rendered by the model's own template.
 
-    In the chats only the assistant turns are targets (label -100 elsewhere), as in fine-tuning:
-    the model reads the markers but never learns to open a turn itself, so plain-text continuations
-    do not drift into "<|im_start|>assistant" loops.
+    In the chats only the assistant's words and its closing <|im_end|> are targets (label -100
+    elsewhere): the model reads every marker but never learns to emit one other than <|im_end|>.
+    When it did, plain-text continuations drifted into "<|im_start|>assistant" or "<think>" loops.
     """
     from transformers import AutoTokenizer
 
@@ -189,7 +200,7 @@ def training_tokens(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     for text, is_target in pieces:
         piece = tokenizer.encode(text).ids
         ids += piece
-        labels += piece if is_target else [-100] * len(piece)
+        labels += [i if is_target and i not in INPUT_ONLY_IDS else -100 for i in piece]
     return torch.tensor(ids), torch.tensor(labels)
 
 
@@ -230,27 +241,31 @@ def learning_rate(step: int, num_steps: int) -> float:
     return PEAK_LR * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train(
-    model: torch.nn.Module,
-    tokens: tuple[torch.Tensor, torch.Tensor],
-    num_steps: int,
-    generator: torch.Generator,
-) -> float:
-    """A few hundred AdamW steps on random windows of (ids, labels); returns the last loss."""
-    ids, labels = tokens
+def make_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     params = dict(model.named_parameters())
     embed = [p for name, p in params.items() if name.endswith("embed_tokens.weight")]
     rest = [p for name, p in params.items() if not name.endswith("embed_tokens.weight")]
     groups = [{"params": embed, "lr_mult": EMBED_LR_MULT}, {"params": rest, "lr_mult": 1.0}]
-    optimizer = torch.optim.AdamW(groups, lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.AdamW(groups, lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: tuple[torch.Tensor, torch.Tensor],
+    learning_rates: list[float],
+    generator: torch.Generator,
+) -> float:
+    """One AdamW step per learning rate on random windows of (ids, labels); returns last loss."""
+    ids, labels = tokens
     model.train()
     last_loss = float("nan")
-    for step in range(num_steps):
-        starts = torch.randint(0, len(ids) - SEQ_LEN, (BATCH_SIZE,), generator=generator)
-        batch = torch.stack([ids[s : s + SEQ_LEN] for s in starts.tolist()])  # (batch, seq_len)
-        targets = torch.stack([labels[s : s + SEQ_LEN] for s in starts.tolist()])
+    for lr in learning_rates:
+        starts = torch.randint(0, len(ids) - SEQ_LEN, (BATCH_SIZE,), generator=generator).tolist()
+        batch = torch.stack([ids[s : s + SEQ_LEN] for s in starts])  # (batch, seq_len)
+        targets = torch.stack([labels[s : s + SEQ_LEN] for s in starts])  # (batch, seq_len)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, num_steps) * group["lr_mult"]
+            group["lr"] = lr * group["lr_mult"]
         loss = model(input_ids=batch, labels=targets).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -261,9 +276,36 @@ def train(
     return last_loss
 
 
-def build_tiny_model(path: Path, *, train_steps: int = TRAIN_STEPS) -> Path:
-    """Write the complete model directory to `path` (created if missing) and return it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def degenerate_prompts(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase") -> list[str]:
+    """TEST_PROMPTS whose greedy continuation ends early or has too few distinct tokens."""
+    stop_ids = generation_config()["eos_token_id"]
+    degenerate = []
+    for prompt in TEST_PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        output = model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=CHECK_NEW_TOKENS,
+            eos_token_id=stop_ids,
+            pad_token_id=ENDOFTEXT_ID,
+        )
+        new_tokens = output[0, inputs["input_ids"].shape[1] :].tolist()
+        if len(new_tokens) < CHECK_NEW_TOKENS or len(set(new_tokens)) < CHECK_MIN_DISTINCT:
+            degenerate.append(prompt)
+    return degenerate
+
+
+def build_tiny_model(
+    path: Path, *, train_steps: int = TRAIN_STEPS, max_topups: int = MAX_TOPUPS
+) -> Path:
+    """Write the complete model directory to `path` (created if missing) and return it.
+
+    Float rounding differs between CPUs, so another machine trains a slightly different model, and
+    on it a test prompt may fall into a greedy loop. The build checks TEST_PROMPTS itself and trains
+    up to `max_topups` short extra rounds until none is degenerate, so the contract the tests rely
+    on holds wherever the model is built (and the result stays deterministic per machine).
+    """
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -275,7 +317,15 @@ def build_tiny_model(path: Path, *, train_steps: int = TRAIN_STEPS) -> Path:
         generator = torch.Generator().manual_seed(SEED)
         model = Qwen3ForCausalLM(Qwen3Config.from_pretrained(path)).to(torch.float32)
         init_weights(model, generator)
-        train(model, training_tokens(path), train_steps, generator)
+        optimizer = make_optimizer(model)
+        tokens = training_tokens(path)
+        schedule = [learning_rate(step, train_steps) for step in range(train_steps)]
+        train(model, optimizer, tokens, schedule, generator)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        for _ in range(max_topups):
+            if not degenerate_prompts(model, tokenizer):
+                break
+            train(model, optimizer, tokens, [TOPUP_LR] * TOPUP_STEPS, generator)
 
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -39,7 +39,7 @@ def hf_greedy(hf: tuple) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path: Path) -> LLM:
-    return LLM(str(tiny_model_path), num_blocks=512, block_size=16)
+    return LLM(str(tiny_model_path), num_blocks=1024, block_size=4)  # small blocks: short prompts hit
 
 
 def assert_no_blocks_in_use(llm: LLM) -> None:
