@@ -107,7 +107,7 @@ class LLMEngine:
             return []
         seqs, logits = self.runner.run(out)
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
-        self.scheduler.postprocess(out, sampled)
+        self.scheduler.postprocess(out, seqs, sampled)
         return [self._output(seq, row, sampled) for row, seq in enumerate(seqs)]
 
     def _output(self, seq: Sequence, row: int, sampled: SampleResult) -> TokenOutput:

@@ -33,10 +33,6 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def sampling_seqs(self) -> list[Sequence]:
-        return [chunk.seq for chunk in self.chunks if chunk.samples]
-
 
 class Scheduler:
     def __init__(
@@ -124,24 +120,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def postprocess(self, out: SchedulerOutput, sampled: SampleResult) -> list[Sequence]:
-        """Advance computed counts, register full blocks, append sampled tokens, finish stopped
-        ones.
+    def postprocess(
+        self, out: SchedulerOutput, sampled_seqs: list[Sequence], sampled: SampleResult
+    ) -> None:
+        """Advance computed counts, register full blocks, append sampled tokens, finish stopped.
 
-        Returns the sequences that received a token, in the order of `out.sampling_seqs`.
+        `sampled_seqs` are the sequences in the order of the sampler's rows (the runner's order).
         """
-        sampling = out.sampling_seqs
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_keys)
-        for row, seq in enumerate(sampling):
+        for row, seq in enumerate(sampled_seqs):
             token_id = sampled.token_ids[row]
             seq.append_token(token_id)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-        return sampling
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

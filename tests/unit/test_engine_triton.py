@@ -25,7 +25,7 @@ import json, sys
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 model, prompts, max_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-# Small blocks and a small token budget: chunked prefill over a cached prefix, decode over many blocks.
+# Small blocks and a small token budget: chunked prefill over cached prefixes, many-block decodes.
 llm = LLM(model, attention_backend="triton", block_size=4, max_num_batched_tokens=12)
 params = SamplingParams(temperature=0.0, max_tokens=max_new)
 cold = llm.generate(prompts, params)

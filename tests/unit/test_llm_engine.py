@@ -39,7 +39,8 @@ def hf_greedy(hf: tuple) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path: Path) -> LLM:
-    return LLM(str(tiny_model_path), num_blocks=1024, block_size=4)  # small blocks: short prompts hit
+    # Small blocks, so that the short test prompts fill whole blocks and hit the prefix cache.
+    return LLM(str(tiny_model_path), num_blocks=1024, block_size=4)
 
 
 def assert_no_blocks_in_use(llm: LLM) -> None:
