@@ -15,6 +15,7 @@ are rebuilt.
 
 import argparse
 import json
+import logging
 import math
 import re
 import shutil
@@ -39,6 +40,8 @@ from engine.tiny_tokenizer import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 TINY_MODEL_VERSION = 1
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster").expanduser() / f"tiny-model-v{TINY_MODEL_VERSION}"
@@ -320,11 +323,18 @@ def build_tiny_model(
         optimizer = make_optimizer(model)
         tokens = training_tokens(path)
         schedule = [learning_rate(step, train_steps) for step in range(train_steps)]
-        train(model, optimizer, tokens, schedule, generator)
+        loss = train(model, optimizer, tokens, schedule, generator)
+        logger.info("tiny model: trained %d steps, last loss %.2f", train_steps, loss)
         tokenizer = AutoTokenizer.from_pretrained(path)
         for _ in range(max_topups):
-            if not degenerate_prompts(model, tokenizer):
+            degenerate = degenerate_prompts(model, tokenizer)
+            if not degenerate:
                 break
+            logger.info(
+                "tiny model: %d test prompts loop; training %d more steps",
+                len(degenerate),
+                TOPUP_STEPS,
+            )
             train(model, optimizer, tokens, [TOPUP_LR] * TOPUP_STEPS, generator)
 
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
@@ -345,7 +355,7 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build_tiny_model(staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        staging.chmod(0o755)  # mkdtemp makes it 0700; give it a plain directory's mode
         try:
             staging.rename(target)
         except OSError:
@@ -363,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     if args.path is None:
         path = ensure_tiny_model()
