@@ -33,6 +33,8 @@ class OrchestratorConfig(_Section):
     address: ZmqAddress = "tcp://127.0.0.1:5550"
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
     max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 0  # shorter prompts skip P/D
+    heartbeat_interval_seconds: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    worker_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # silent longer: dead
 
 
 class ContextWorkersConfig(_Section):
@@ -63,7 +65,16 @@ class KVCacheConfig(_Section):
 
 class TransferConfig(_Section):
     backend: Literal["nixl"] = "nixl"
-    lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
+    pull_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # generation side gives up
+
+    def __post_init__(self) -> None:
+        # The reader must give up (and cancel its READ) before the source frees the blocks.
+        if self.pull_timeout_seconds >= self.lease_seconds:
+            raise ValueError(
+                f"pull_timeout_seconds ({self.pull_timeout_seconds}) must be shorter than "
+                f"lease_seconds ({self.lease_seconds})"
+            )
 
 
 class ClusterConfig(_Section):
@@ -71,6 +82,7 @@ class ClusterConfig(_Section):
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
+    internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     context_workers: ContextWorkersConfig = ContextWorkersConfig()

@@ -1,14 +1,18 @@
 """Every message that crosses a process boundary, as tagged msgspec Structs encoded to msgpack.
 
     frontend ──GenerateRequest / Abort──────────────▶ orchestrator (ROUTER)
+    frontend, CLI ──ClusterInfoRequest──────────────▶ orchestrator ──ClusterInfo──▶ asker
     orchestrator ──RequestFailed────────────────────▶ frontend
-    worker ──Register / Heartbeat / WorkerStats─────▶ orchestrator ──Registered / Refused──▶ worker
+    worker ──Register / Heartbeat───────────────────▶ orchestrator ──Registered / Refused──▶ worker
+    orchestrator ──RegisterAgain────────────────────▶ worker it does not know (it restarted)
     orchestrator ──PrefillRequest / Abort───────────▶ context worker
-    context worker ──PrefillDone────────────────────▶ orchestrator
+    context worker ──PrefillDone / RequestFailed────▶ orchestrator
     orchestrator ──DecodeRequest / Abort────────────▶ generation worker
     generation worker ══NIXL READ (KV blocks)═══════▶ context worker (notification frees its lease)
-    generation worker ──RequestFinished─────────────▶ orchestrator
-    context / generation worker ──TokenBatch (PUSH)─▶ postproc worker (PULL), by request id
+    generation worker ──RequestFinished / Failed────▶ orchestrator
+    generation worker ──TokenBatch (PUSH)───────────▶ postproc worker (PULL), by request id
+    context worker ──TokenBatch (PUSH)──────────────▶ postproc worker, only when the first token ends
+                                                      the request (no generation worker involved)
     postproc worker ──Abort(reason="stop")──────────▶ orchestrator
     postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at GenerateRequest.reply_to)
 
@@ -28,7 +32,7 @@ from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 
-Role = Literal["context", "generation", "postproc"]
+Role = Literal["context", "generation", "postproc", "frontend"]
 
 
 class _Message(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
@@ -81,12 +85,17 @@ class Abort(_Message, tag="abort"):
 
 
 class RequestFailed(_Message, tag="failed"):
-    """A request ended before or instead of its output; the frontend turns it into an HTTP error."""
+    """A request ended before or instead of its output; the frontend turns it into an HTTP error.
+
+    Workers send it to the orchestrator (which ends the request and forwards it to the frontend).
+    `param` names the offending request field for 400s.
+    """
 
     request_id: str
     status_code: int
     message: str
     code: str = "internal_error"
+    param: str | None = None
 
 
 class KVPool(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,25 +116,30 @@ class Register(_Message, tag="register"):
     protocol_version: int
     pid: int
     address: str = ""  # the worker's own PULL address (postproc: where TokenBatches go)
-    kv_pool: KVPool | None = None
-    num_blocks: int = 0
+    kv_pool: KVPool | None = None  # context workers: the pool generation workers read from
 
 
 class Registered(_Message, tag="registered"):
     """Sent to a worker on registration, and again when peers change: everyone it must know."""
 
-    peers: list[KVPool] = msgspec.field(default_factory=list)
+    peers: list[KVPool] = msgspec.field(default_factory=list)  # context workers' pools
     postproc_addresses: list[str] = msgspec.field(default_factory=list)
 
 
 class Refused(_Message, tag="refused"):
+    """Registration refused (protocol version, duplicate id): the worker logs it and exits."""
+
     reason: str
 
 
-class WorkerStats(_Message, tag="stats"):
+class RegisterAgain(_Message, tag="register_again"):
+    """A heartbeat came from a worker the orchestrator does not know (the orchestrator
+    restarted)."""
+
+
+class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sent with each heartbeat: what /cluster_info and the routers need."""
 
-    worker_id: str
     active_requests: int = 0
     active_tokens: int = 0
     blocks_used: int = 0
@@ -139,41 +153,6 @@ class Heartbeat(_Message, tag="heartbeat"):
     stats: WorkerStats | None = None
 
 
-class PrefillRequest(_Message, tag="prefill"):
-    request: GenerateRequest
-    postproc_address: str
-
-
-class PrefillDone(_Message, tag="prefill_done"):
-    """The context worker's answer: the first token, and the leased blocks that hold the prompt's
-    KV."""
-
-    request_id: str
-    worker_id: str
-    first_token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # set when the first token already ends the request
-    block_ids: list[int] = msgspec.field(default_factory=list)
-    num_cached_tokens: int = 0
-
-
-class DecodeRequest(_Message, tag="decode"):
-    request: GenerateRequest
-    postproc_address: str
-    prefill: PrefillDone | None = None  # None: aggregated, the generation worker prefills itself
-    source_agent: str = ""  # the context worker's NIXL agent
-
-
-class RequestFinished(_Message, tag="finished"):
-    request_id: str
-    worker_id: str
-    finish_reason: str
-    num_output_tokens: int = 0
-    transfer_num_bytes: int = 0
-    transfer_seconds: float = 0.0
-
-
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one choice of one request, from one engine step."""
 
@@ -185,6 +164,72 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+class PrefillRequest(_Message, tag="prefill"):
+    request: GenerateRequest
+    postproc_address: str
+
+
+class PrefillDone(_Message, tag="prefill_done"):
+    """The context worker's answer: each choice's first token, and the leased blocks (of choice 0)
+    that hold the prompt's KV, readable through NIXL agent `agent_name`.
+
+    When every choice already finished with its first token, `block_ids` is empty, nothing is
+    leased, and the context worker has sent the tokens to the postproc worker itself.
+    """
+
+    request_id: str
+    worker_id: str
+    agent_name: str
+    first: list[TokenDelta]  # one per choice, index order
+    block_ids: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(d.finish_reason is not None for d in self.first)
+
+
+class DecodeRequest(_Message, tag="decode"):
+    request: GenerateRequest
+    postproc_address: str
+    prefill: PrefillDone | None = None  # None: the generation worker prefills itself
+
+
+class RequestFinished(_Message, tag="finished"):
+    """A generation worker is done with a request (all choices finished, or aborted)."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: str
+    num_output_tokens: int = 0
+    transfer_num_bytes: int = 0  # KV pulled over NIXL for this request
+    transfer_seconds: float = 0.0
+
+
+class ClusterInfoRequest(_Message, tag="cluster_info_request"):
+    pass
+
+
+class WorkerInfo(msgspec.Struct, omit_defaults=False, kw_only=True):
+    """One row of `orchestrator status` and GET /cluster_info."""
+
+    worker_id: str
+    role: str  # orchestrator | context | generation | postproc | frontend
+    pid: int
+    address: str
+    state: str  # ready | dead
+    active_requests: int = 0
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_total: int = 0
+    blocks_leased: int = 0
+    last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
+
+
+class ClusterInfo(_Message, tag="cluster_info"):
+    workers: list[WorkerInfo]
+    num_requests: int = 0  # requests the orchestrator is tracking
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -210,14 +255,16 @@ Message = (
     | Register
     | Registered
     | Refused
+    | RegisterAgain
     | Heartbeat
-    | WorkerStats
     | PrefillRequest
     | PrefillDone
     | DecodeRequest
     | RequestFinished
     | TokenBatch
     | Chunk
+    | ClusterInfoRequest
+    | ClusterInfo
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -67,36 +67,109 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         extra_keys: tuple[ExtraKey, ...] = (),
+        *,
+        prefill_only: bool = False,
     ) -> None:
-        """Queue a request (n sequences); if it can't run, raise InvalidRequest, change nothing."""
+        """Queue a request (n sequences); if it can't run, raise InvalidRequest, change nothing.
+
+        `prefill_only` (context worker): each sequence stops after its first token and keeps its
+        blocks, held for a reader, until `release_held`.
+        """
         self._validate(request_id, prompt_token_ids, params)
         for index in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            sampling = SamplingState(
-                params=params,
-                prompt_token_ids=prompt_token_ids,
-                output_token_ids=[],
-                generator=make_generator(params.seed, index) if params.seed is not None else None,
-                eos_token_ids=self.eos_token_ids,
-            )
-            self.scheduler.add(
-                Sequence(
-                    seq_id=seq_id,
-                    request_id=request_id,
-                    index=index,
-                    token_ids=list(prompt_token_ids),
-                    num_prompt_tokens=len(prompt_token_ids),
-                    sampling=sampling,
-                    extra_keys=extra_keys,
-                )
-            )
+            seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
+            seq.prefill_only = prefill_only
+            self.scheduler.add(seq)
+
+    def add_pulled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_tokens: dict[int, int],
+        num_cached_tokens: int = 0,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> tuple[list[int], int] | None:
+        """Admit a request another worker prefilled: `first_tokens` maps each unfinished choice to
+        the token it sampled there. The prompt's KV is to be written into the returned block table
+        (by a NIXL READ) from block `num_valid // block_size` on; the head is this worker's own
+        prefix-cache hits. Returns (block table, num_valid tokens), or None when the pool is short
+        (try again later). Call `pull_done` once the KV is in, or `pull_failed`.
+        """
+        self._validate(request_id, prompt_token_ids, params)
+        seqs = []
+        for index, token_id in sorted(first_tokens.items()):
+            seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
+            seq.append_token(token_id)
+            seq.num_cached_prompt_tokens = num_cached_tokens
+            seqs.append(seq)
+        table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
+        if table is None:
+            return None
+        return table, seqs[0].num_computed_tokens
+
+    def pull_done(self, request_id: str) -> None:
+        lead = self.scheduler.pulling[request_id][0]
+        self.scheduler.pull_done(request_id, lead.num_prompt_tokens)
+
+    def pull_failed(self, request_id: str, recompute: bool) -> list[TokenOutput]:
+        """Free the pulled request's blocks; recompute its prompt here, or end it (aborted)."""
+        seqs = self.scheduler.pull_failed(request_id, recompute)
+        return [] if recompute else [self._aborted(s) for s in seqs]
+
+    def held_block_table(self, request_id: str) -> list[int]:
+        """The blocks of a prefill-only request's first choice: the prompt's KV, for a reader."""
+        return self.kv.block_table(self.scheduler.held[request_id][0].seq_id)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(
+            {
+                block
+                for seqs in self.scheduler.held.values()
+                for seq in seqs
+                for block in self.kv.block_table(seq.seq_id)
+            }
+        )
+
+    def _sequence(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        extra_keys: tuple[ExtraKey, ...],
+    ) -> Sequence:
+        sampling = SamplingState(
+            params=params,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=[],
+            generator=make_generator(params.seed, index) if params.seed is not None else None,
+            eos_token_ids=self.eos_token_ids,
+        )
+        return Sequence(
+            seq_id=request_id if params.n == 1 else f"{request_id}#{index}",
+            request_id=request_id,
+            index=index,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            sampling=sampling,
+            extra_keys=extra_keys,
+        )
 
     def abort(self, request_id: str) -> list[TokenOutput]:
         """Stop a request now; its blocks are free when this returns. Unknown ids are ignored."""
-        return [
-            TokenOutput(request_id, s.index, -1, None, None, "abort", s.num_prompt_tokens, 0)
-            for s in self.scheduler.abort(request_id)
-        ]
+        return [self._aborted(s) for s in self.scheduler.abort(request_id)]
+
+    @staticmethod
+    def _aborted(seq: Sequence) -> TokenOutput:
+        """The end-of-sequence record of an aborted sequence; token_id -1 means "no new token"."""
+        return TokenOutput(
+            seq.request_id, seq.index, -1, None, None, "abort", seq.num_prompt_tokens, 0
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

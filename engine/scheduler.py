@@ -5,6 +5,14 @@ waiting sequences are admitted while the budget, `max_num_seqs` and free blocks 
 running sequence cannot get a block, the most recently admitted running sequence is preempted: its
 blocks are freed and it returns to the head of the queue to be recomputed later (its full blocks
 usually survive in the prefix cache, so the recompute is cheap).
+
+Two more states serve disaggregation (see `Sequence.status`):
+
+    context worker:     waiting ─▶ running ─(first token)─▶ held ─release_held()─▶ freed
+    generation worker:  add_pulling() ─▶ pulling ─pull_done()─▶ running ─▶ finished
+                                                 └pull_failed()─▶ freed, or waiting (recompute)
+
+Held and pulling sequences own their blocks but are never scheduled; `abort` frees them too.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, list[Sequence]] = {}  # request id -> its prefill-only sequences
+        self.pulling: dict[str, list[Sequence]] = {}  # request id -> lead sequence + its siblings
         self._arrivals = 0
 
     def add(self, seq: Sequence) -> None:
@@ -56,14 +66,72 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of the request now and free its blocks."""
+        """Finish every sequence of the request now and free its blocks (a pulling request's
+        READ must be cancelled first: its blocks are reused from here)."""
         aborted = [s for s in [*self.waiting, *self.running] if s.request_id == request_id]
+        aborted += self.pulling.pop(request_id, [])
         for seq in aborted:
             self._finish(seq, "abort")
+        self.release_held(request_id)
         return aborted
 
     def has_request(self, request_id: str) -> bool:
-        return any(s.request_id == request_id for s in [*self.waiting, *self.running])
+        return (
+            request_id in self.held
+            or request_id in self.pulling
+            or any(s.request_id == request_id for s in [*self.waiting, *self.running])
+        )
+
+    def release_held(self, request_id: str) -> None:
+        """Free a prefill-only request's blocks (its KV was read, or its lease ended)."""
+        for seq in self.held.pop(request_id, []):
+            seq.status = SequenceStatus.FINISHED
+            self.kv.free(seq.seq_id)
+
+    def add_pulling(self, seqs: list[Sequence], num_tokens: int) -> list[int] | None:
+        """Allocate the lead sequence's blocks for its first `num_tokens` tokens, reusing the
+        prefix cache; the KV of the rest will arrive from another worker.
+
+        Returns the block table (its first `num_cached_tokens // block_size` blocks already hold
+        valid KV; see `seqs[0].num_computed_tokens`), or None, changing nothing, when the pool is
+        short. The siblings (n > 1) wait here and join the queue at pull_done.
+        """
+        lead = seqs[0]
+        blocks, num_cached = self.kv.get_computed_blocks(lead.token_ids, lead.extra_keys)
+        if not self.kv.allocate_slots(lead.seq_id, num_tokens, blocks):
+            return None
+        lead.num_computed_tokens = min(num_cached, num_tokens)
+        for seq in seqs:
+            seq.status = SequenceStatus.PULLING
+        self.pulling[lead.request_id] = seqs
+        return self.kv.block_table(lead.seq_id)
+
+    def pull_done(self, request_id: str, num_tokens: int) -> None:
+        """The lead's first `num_tokens` tokens now have KV: run it; siblings reuse its blocks."""
+        lead, *siblings = self.pulling.pop(request_id)
+        lead.num_computed_tokens = num_tokens
+        self.kv.cache_blocks(lead.seq_id, lead.token_ids, num_tokens, lead.extra_keys)
+        lead.arrival_order = self._arrivals
+        self._arrivals += 1
+        lead.status = SequenceStatus.RUNNING
+        self.running.append(lead)
+        for seq in siblings:
+            self.add(seq)
+
+    def pull_failed(self, request_id: str, recompute: bool) -> list[Sequence]:
+        """The READ failed (and was cancelled): free the blocks and either queue the sequences
+        to prefill here (`recompute`) or finish them with reason "abort"; returns them."""
+        seqs = self.pulling.pop(request_id)
+        self.kv.free(seqs[0].seq_id)
+        for seq in seqs:
+            seq.num_computed_tokens = 0
+            if recompute:
+                seq.status = SequenceStatus.WAITING
+                self.add(seq)
+            else:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+        return seqs
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,7 +171,7 @@ class Scheduler:
             if not self.kv.allocate_slots(seq.seq_id, num_cached + num_new, blocks):
                 break
             self.waiting.popleft()
-            if seq.num_preemptions == 0:
+            if not seq.output_token_ids:  # a first admission, not a recompute or a pulled request
                 seq.num_cached_prompt_tokens = num_cached
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -135,7 +203,9 @@ class Scheduler:
             token_id = sampled.token_ids[row]
             seq.append_token(token_id)
             reason = self._stop_reason(seq, token_id)
-            if reason is not None:
+            if seq.prefill_only:
+                self._hold(seq, reason)
+            elif reason is not None:
                 self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
@@ -148,6 +218,13 @@ class Scheduler:
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _hold(self, seq: Sequence, reason: str | None) -> None:
+        """Prefill-only: out of the batch after its first token, blocks kept for the reader."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HELD
+        seq.finish_reason = reason
+        self.held.setdefault(seq.request_id, []).append(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

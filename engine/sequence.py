@@ -17,6 +17,8 @@ from engine.sampler import SamplingState
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PULLING = "pulling"  # blocks allocated, KV arriving over NIXL; not schedulable yet
+    HELD = "held"  # prefill-only: done, blocks kept (leased) until the worker releases them
     FINISHED = "finished"
 
 
@@ -36,6 +38,7 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort
     stop_token_id: int | None = None  # the EOS or stop_token_id that ended it
     num_preemptions: int = 0
+    prefill_only: bool = False  # context worker: stop after the first token, keep the blocks
 
     @property
     def params(self) -> SamplingParams:

@@ -42,9 +42,21 @@ def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
         protocol.Abort(request_id="cmpl-1", reason="stop"),
         protocol.Register(worker_id="gen-0", role="generation", protocol_version=1, pid=42),
         protocol.PrefillDone(
-            request_id="cmpl-1", worker_id="ctx-0", first_token_id=5, block_ids=[3, 4]
+            request_id="cmpl-1",
+            worker_id="ctx-0",
+            agent_name="ctx-0-17",
+            first=[protocol.TokenDelta("cmpl-1", 0, [5], num_prompt_tokens=3)],
+            block_ids=[3, 4],
         ),
         protocol.DecodeRequest(request=sample_request(), postproc_address="tcp://127.0.0.1:6001"),
+        protocol.Heartbeat(worker_id="gen-0", stats=protocol.WorkerStats(blocks_used=3)),
+        protocol.ClusterInfo(
+            workers=[
+                protocol.WorkerInfo(
+                    worker_id="gen-0", role="generation", pid=7, address="", state="ready"
+                )
+            ]
+        ),
         protocol.TokenBatch(
             deltas=[protocol.TokenDelta("cmpl-1", 0, [7, 8], [-0.5, -0.25], None, "stop")],
             first=[sample_request()],

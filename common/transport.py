@@ -1,0 +1,96 @@
+"""ZeroMQ sockets and protocol messages: make, send, receive; sync for workers, async for
+frontends and the orchestrator.
+
+Every receive decodes with `common.protocol.decode`; a frame that is not a valid message (garbage,
+an unknown tag, a peer speaking another protocol version) is dropped with one log line and the
+caller sees None, so a bad sender can never crash a process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.protocol import Message, decode, encode
+
+logger = logging.getLogger(__name__)
+
+HIGH_WATER_MARK = 100_000  # messages queued per peer before send blocks (PUSH) or drops (ROUTER)
+
+
+def make_socket(
+    context: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None
+) -> zmq.Socket:
+    """A socket that never lingers at close (a dead peer must not hang shutdown)."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a departed peer is dropped
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock
+
+
+def bind_random_port(sock: zmq.Socket, host: str) -> str:
+    """Bind to a free TCP port on `host`; returns the address peers connect to."""
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def parse(frame: bytes, source: str) -> Message | None:
+    try:
+        return decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        logger.warning("dropped a malformed message from %s (%d bytes): %s", source, len(frame), exc)
+        return None
+
+
+# --- synchronous (worker loops) -------------------------------------------------------------------
+
+
+def send(sock: zmq.Socket, message: Message) -> None:
+    sock.send(encode(message))
+
+
+def send_to(sock: zmq.Socket, identity: bytes, message: Message) -> None:
+    """ROUTER: to the peer `identity`."""
+    sock.send_multipart([identity, encode(message)])
+
+
+def recv(sock: zmq.Socket, source: str) -> Message | None:
+    """Non-blocking: the next message, or None when none is waiting or it was malformed."""
+    try:
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+    return parse(frames[-1], source)
+
+
+# --- asynchronous (frontend, orchestrator) --------------------------------------------------------
+
+
+async def async_send(sock: zmq.asyncio.Socket, message: Message) -> None:
+    await sock.send(encode(message))
+
+
+async def async_send_to(sock: zmq.asyncio.Socket, identity: bytes, message: Message) -> None:
+    await sock.send_multipart([identity, encode(message)])
+
+
+async def async_recv_from(sock: zmq.asyncio.Socket) -> tuple[bytes, Message | None]:
+    """ROUTER: (sender identity, message or None if malformed)."""
+    frames = await sock.recv_multipart()
+    identity = frames[0] if len(frames) > 1 else b""
+    return identity, parse(frames[-1], identity.decode(errors="replace") or "a peer")
+
+
+async def async_recv(sock: zmq.asyncio.Socket, source: str) -> Message | None:
+    frames = await sock.recv_multipart()
+    return parse(frames[-1], source)
