@@ -13,7 +13,6 @@ are medians of `--repeats`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import multiprocessing as mp
@@ -29,9 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with engine.py
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from engine.kv_transfer import KVPoolInfo, KVTransferAgent, TransferHandle  # noqa: E402
+from common.protocol import KVPool  # noqa: E402
+from engine.kv_transfer import KVTransferAgent, TransferHandle  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 60.0
@@ -61,7 +62,7 @@ def serve_pools(conn: Connection, total_bytes: int, seed: int) -> None:
             pool = make_pool(total_bytes, message[1], seed)
             agent = KVTransferAgent(f"src-{message[1]}", pool, message[1])
             num_notifications = 0
-            conn.send(dataclasses.asdict(agent.info()))
+            conn.send(msgspec.structs.asdict(agent.info()))
         elif message[0] == "drop" and agent is not None:
             deadline = time.monotonic() + TIMEOUT_S
             while num_notifications < message[1] and time.monotonic() < deadline:
@@ -117,7 +118,7 @@ def bench_block_size(
     total = args.total_mib * MIB
     num_blocks = total // block_bytes
     conn.send(("pool", block_bytes))
-    info = KVPoolInfo(**receive(conn))  # type: ignore[arg-type]
+    info = KVPool(**receive(conn))  # type: ignore[arg-type]
     dst = make_pool(total, block_bytes, seed=None)
     shuffle = torch.Generator().manual_seed(block_bytes)
     remote_ids = torch.randperm(num_blocks, generator=shuffle)

@@ -11,8 +11,8 @@
     generation worker ══NIXL READ (KV blocks)═══════▶ context worker (notification frees its lease)
     generation worker ──RequestFinished / Failed────▶ orchestrator
     generation worker ──TokenBatch (PUSH)───────────▶ postproc worker (PULL), by request id
-    context worker ──TokenBatch (PUSH)──────────────▶ postproc worker, only when the first token ends
-                                                      the request (no generation worker involved)
+    context worker ──TokenBatch (PUSH)──────────────▶ postproc worker, only when the first token
+                                                      ends the request (no generation worker)
     postproc worker ──Abort(reason="stop")──────────▶ orchestrator
     postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at GenerateRequest.reply_to)
 

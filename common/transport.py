@@ -48,7 +48,9 @@ def parse(frame: bytes, source: str) -> Message | None:
     try:
         return decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        logger.warning("dropped a malformed message from %s (%d bytes): %s", source, len(frame), exc)
+        logger.warning(
+            "dropped a malformed message from %s (%d bytes): %s", source, len(frame), exc
+        )
         return None
 
 

@@ -1,7 +1,7 @@
 """KV blocks between workers over NIXL (UCX backend): one READ per request, then a notification.
 
 Each worker registers its whole block-major KV pool once (engine/kv_cache.py: block i is the bytes
-at `base_address + i * block_num_bytes`) and tells its peers a `KVPoolInfo` once, at registration.
+at `base_address + i * block_num_bytes`) and tells its peers its `KVPool` once, at registration.
 A generation worker then pulls any set of a context worker's blocks with one transfer request:
 
     context worker (source)                          generation worker (reader)
@@ -48,6 +48,8 @@ from nixl._api import (
     nixl_xfer_handle,
 )
 
+from common.protocol import KVPool
+
 logger = logging.getLogger(__name__)
 
 TransferState = Literal["pending", "done", "failed"]
@@ -63,19 +65,6 @@ DEFAULT_TIMEOUT_S = 10.0
 
 class KVTransferError(RuntimeError):
     """A transfer could not be set up: unknown peer, mismatched pool layout, or NIXL refused it."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVPoolInfo:
-    """What a worker tells its peers once so they can read its blocks; plain types for msgpack."""
-
-    agent_name: str
-    agent_metadata: bytes  # nixl_agent.get_agent_metadata(): UCX address + memory keys
-    base_address: int
-    num_blocks: int
-    block_num_bytes: int
-    device_id: int
-    memory_kind: str  # "DRAM" or "VRAM"
 
 
 @dataclass(slots=True)
@@ -96,7 +85,7 @@ class TransferHandle:
 
 @dataclass(slots=True)
 class _Peer:
-    info: KVPoolInfo
+    info: KVPool
     blocks: nixl_prepped_dlist_handle  # all of the peer's blocks, indexed by block id
 
 
@@ -128,8 +117,8 @@ class KVTransferAgent:
         self._next_id = itertools.count()
         self._closed = False
 
-    def info(self) -> KVPoolInfo:
-        return KVPoolInfo(
+    def info(self) -> KVPool:
+        return KVPool(
             agent_name=self.name,
             agent_metadata=self._agent.get_agent_metadata(),
             base_address=self.pool.data_ptr(),
@@ -139,7 +128,7 @@ class KVTransferAgent:
             memory_kind=self.memory_kind,
         )
 
-    def add_peer(self, peer: KVPoolInfo) -> None:
+    def add_peer(self, peer: KVPool) -> None:
         """Load a peer's metadata and prepare its block list once; each READ then picks indices."""
         if peer.block_num_bytes != self.block_num_bytes:
             raise KVTransferError(
@@ -246,6 +235,16 @@ class KVTransferAgent:
         except Exception as e:
             raise KVTransferError(f"could not cancel READ {handle.transfer_id}: {e!r}") from e
 
+    def notify(self, peer_name: str, message: bytes) -> None:
+        """A notification without a transfer: all the reader needed was in its own prefix cache,
+        yet the source must still hear that it may free its lease."""
+        if peer_name not in self._peers:
+            raise KVTransferError(f"unknown peer {peer_name!r}: add_peer() it first")
+        try:
+            self._agent.send_notif(peer_name, message)
+        except Exception as e:
+            raise KVTransferError(f"notification to {peer_name!r} failed: {e!r}") from e
+
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; non-blocking."""
         notifs = self._agent.get_new_notifs()
@@ -312,7 +311,7 @@ def _make_nixl_agent(name: str) -> nixl_agent:
 
     nixl_agent does not expose the delay, so it is built without backends and its core agent is
     replaced by one made with our config before the UCX backend is created. No listen thread and no
-    port: metadata travels out of band in `KVPoolInfo`. No UCX environment variables are needed on a
+    port: metadata travels out of band in `KVPool`. No UCX environment variables are needed on a
     CPU-only host: UCX picks CMA (process_vm_readv) for the READ and TCP on loopback for the
     notifications, or TCP for both where CMA is not allowed.
     """

@@ -135,7 +135,9 @@ def test_abort_frees_held_and_pulling_blocks(engines) -> None:
 
 def test_first_token_that_ends_the_request_is_reported_by_the_context_engine(engines) -> None:
     context, _, _ = engines
-    context.add_request("one", list(range(500, 510)), SamplingParams(max_tokens=1), prefill_only=True)
+    context.add_request(
+        "one", list(range(500, 510)), SamplingParams(max_tokens=1), prefill_only=True
+    )
     (out,) = run_to_end(context)
     assert out.finish_reason == "length"
     context.release_held("one")

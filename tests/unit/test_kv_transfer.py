@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import resource
 import time
@@ -13,7 +12,8 @@ import msgspec
 import pytest
 import torch
 
-from engine.kv_transfer import KVPoolInfo, KVTransferAgent, KVTransferError, TransferHandle
+from common.protocol import KVPool
+from engine.kv_transfer import KVTransferAgent, KVTransferError, TransferHandle
 
 NUM_BLOCKS = 64
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # (num_layers, K/V, block_size, num_kv_heads, head_dim), as KVCache
@@ -86,8 +86,8 @@ def test_info_is_plain_data_that_rides_msgpack(
     pair: tuple[KVTransferAgent, KVTransferAgent],
 ) -> None:
     info = pair[0].info()
-    wire = msgspec.msgpack.encode(dataclasses.asdict(info))
-    assert KVPoolInfo(**msgspec.msgpack.decode(wire)) == info
+    wire = msgspec.msgpack.encode(msgspec.structs.asdict(info))
+    assert KVPool(**msgspec.msgpack.decode(wire)) == info
     assert info.memory_kind == "DRAM" and info.num_blocks == NUM_BLOCKS
 
 
@@ -113,7 +113,9 @@ def test_unknown_peer_and_mismatched_pool_raise(
     source, reader = pair
     with pytest.raises(KVTransferError, match="unknown peer 'ctx-9'"):
         reader.start_read("ctx-9", [1], [0], b"x")
-    other_layout = dataclasses.replace(source.info(), block_num_bytes=reader.block_num_bytes * 2)
+    other_layout = msgspec.structs.replace(
+        source.info(), block_num_bytes=reader.block_num_bytes * 2
+    )
     with pytest.raises(KVTransferError, match="block_size differ"):
         reader.add_peer(other_layout)
 
@@ -148,7 +150,7 @@ def serve_pool(conn: Connection, seed: int, timeout_s: float) -> None:
     """Child process: own a patterned pool, send its info, report notifications, wait for stop."""
     pool = make_pool(NUM_BLOCKS, seed)
     with KVTransferAgent("ctx-proc", pool, block_num_bytes(pool)) as agent:
-        conn.send(dataclasses.asdict(agent.info()))
+        conn.send(msgspec.structs.asdict(agent.info()))
         conn.send(wait_notifications(agent, timeout_s))
         conn.poll(timeout_s)  # the parent says stop (or dies)
 
@@ -180,7 +182,7 @@ def test_read_from_another_process_notifies_it(
     source_process: tuple[mp.process.BaseProcess, Connection],
 ) -> None:
     process, conn = source_process
-    info = KVPoolInfo(**receive(conn))  # type: ignore[arg-type]
+    info = KVPool(**receive(conn))  # type: ignore[arg-type]
     pool = make_pool(NUM_BLOCKS, seed=None)
     remote_ids, local_ids = [60, 0, 17, 18, 19, 5], [1, 2, 3, 40, 41, 63]
     with KVTransferAgent("gen-proc", pool, block_num_bytes(pool)) as reader:
@@ -200,7 +202,7 @@ def test_read_from_a_dead_process_fails_instead_of_hanging(
     source_process: tuple[mp.process.BaseProcess, Connection],
 ) -> None:
     process, conn = source_process
-    info = KVPoolInfo(**receive(conn))  # type: ignore[arg-type]
+    info = KVPool(**receive(conn))  # type: ignore[arg-type]
     pool = make_pool(NUM_BLOCKS, seed=None)
     with KVTransferAgent("gen-orphan", pool, block_num_bytes(pool)) as reader:
         reader.add_peer(info)
@@ -218,3 +220,13 @@ def test_read_from_a_dead_process_fails_instead_of_hanging(
         assert time.monotonic() - started < 3.0 + 2.0
         with pytest.raises(KVTransferError, match="could not load peer 'ctx-proc'"):
             reader.add_peer(info)  # re-registering a dead worker fails loudly
+
+
+def test_notify_without_a_transfer_reaches_the_source(
+    pair: tuple[KVTransferAgent, KVTransferAgent],
+) -> None:
+    source, reader = pair
+    reader.notify("ctx-0", b"cmpl-cached")
+    assert wait_notifications(source) == [("gen-0", b"cmpl-cached")]
+    with pytest.raises(KVTransferError, match="unknown peer"):
+        reader.notify("nobody", b"x")
