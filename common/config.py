@@ -39,6 +39,7 @@ class OrchestratorConfig(_Section):
 
 class ContextWorkersConfig(_Section):
     count: Positive = 1
+    max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
 
 
@@ -67,6 +68,7 @@ class TransferConfig(_Section):
     backend: Literal["nixl"] = "nixl"
     lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
     pull_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # generation side gives up
+    recompute_on_failure: bool = False  # a failed pull: prefill on the generation worker instead
 
     def __post_init__(self) -> None:
         # The reader must give up (and cancel its READ) before the source frees the blocks.

@@ -1,9 +1,12 @@
 """Errors that cross layers: what was wrong with a request, and which parameter it was.
 
 The HTTP layer maps `InvalidRequest` to a 400 with `param` set; anything else is a server error.
+Every error a client sees has the one body `error_body` makes, whichever process found it.
 """
 
 from __future__ import annotations
+
+import msgspec
 
 
 class InvalidRequest(ValueError):
@@ -13,3 +16,40 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """The one error body of every route: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> bytes:
+    """The JSON error body for `status_code`, typed the way OpenAI's clients expect."""
+    detail = ErrorDetail(
+        message=message,
+        type=_ERROR_TYPES.get(status_code, "server_error"),
+        param=param,
+        code=code,
+    )
+    return msgspec.json.encode(ErrorResponse(error=detail))

@@ -146,6 +146,9 @@ class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     blocks_cached: int = 0
     blocks_total: int = 0
     blocks_leased: int = 0
+    prompt_tokens_computed: int = 0  # since start: a pulled prompt is not recomputed
+    kv_bytes_pulled: int = 0  # since start, over NIXL
+    kv_pull_seconds: float = 0.0
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -224,6 +227,9 @@ class WorkerInfo(msgspec.Struct, omit_defaults=False, kw_only=True):
     blocks_cached: int = 0
     blocks_total: int = 0
     blocks_leased: int = 0
+    prompt_tokens_computed: int = 0
+    kv_bytes_pulled: int = 0
+    kv_pull_seconds: float = 0.0
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
 
 

@@ -128,6 +128,10 @@ class KVTransferAgent:
             memory_kind=self.memory_kind,
         )
 
+    @property
+    def peer_names(self) -> list[str]:
+        return list(self._peers)
+
     def add_peer(self, peer: KVPool) -> None:
         """Load a peer's metadata and prepare its block list once; each READ then picks indices."""
         if peer.block_num_bytes != self.block_num_bytes:

@@ -1,0 +1,166 @@
+"""The context worker's loop: prefill requests, sample each choice's first token, and lease the
+prompt's blocks to the generation worker that will read them over NIXL.
+
+One `step()`: take commands, free the leases whose blocks were read (or expired), run one engine
+step, and answer each request whose first tokens are all sampled with a PrefillDone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from common.config import ClusterConfig
+from common.errors import InvalidRequest
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Message,
+    PrefillDone,
+    PrefillRequest,
+    Register,
+    RequestFailed,
+    TokenBatch,
+    TokenDelta,
+    WorkerStats,
+    decode_token_ids,
+)
+from common.worker_link import OrchestratorLink, PushSockets
+from context_worker.leases import LeaseTable
+from engine.kv_transfer import KVTransferAgent
+from engine.llm_engine import LLMEngine, TokenOutput
+from engine.serving import engine_config, extra_keys, to_delta, worker_stats
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 5  # NIXL notifications do not wake a zmq poll: bound their latency
+
+
+class ContextWorker:
+    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+        self.worker_id = worker_id
+        workers = config.context_workers
+        self.engine = LLMEngine(
+            engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
+        )
+        kv_cache = self.engine.kv_cache
+        self.agent = KVTransferAgent(
+            f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes
+        )
+        self.leases = LeaseTable(config.transfer.lease_seconds)
+        self.prefilling: dict[str, PrefillRequest] = {}
+        self.first_tokens: dict[str, list[TokenDelta]] = {}
+        self.push = PushSockets(context)
+        register = Register(
+            worker_id=worker_id,
+            role="context",
+            protocol_version=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            kv_pool=self.agent.info(),
+        )
+        self.link = OrchestratorLink(
+            context,
+            config.orchestrator.address,
+            register,
+            config.orchestrator.heartbeat_interval_seconds,
+            self.stats,
+        )
+
+    def stats(self) -> WorkerStats:
+        return worker_stats(self.engine, len(self.prefilling) + len(self.leases))
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished():
+            self.link.socket.poll(IDLE_POLL_MS)
+        for message in self.link.receive():
+            self.handle(message)
+        self.end_leases()
+        if self.engine.has_unfinished():
+            self.collect(self.engine.step())
+        self.link.heartbeat_if_due()
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, PrefillRequest):
+            self.start(message)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+
+    def start(self, prefill: PrefillRequest) -> None:
+        request = prefill.request
+        try:
+            prompt = decode_token_ids(request.prompt_token_ids_b64)
+            self.engine.add_request(
+                request.request_id,
+                prompt,
+                request.sampling,
+                extra_keys(request),
+                prefill_only=True,
+            )
+        except InvalidRequest as e:
+            self.fail(request.request_id, str(e), e.param)
+            return
+        except ValueError as e:
+            self.fail(request.request_id, str(e), "prompt")
+            return
+        self.prefilling[request.request_id] = prefill
+
+    def fail(self, request_id: str, message: str, param: str | None) -> None:
+        failed = RequestFailed(
+            request_id=request_id,
+            status_code=400,
+            message=message,
+            code="invalid_request",
+            param=param,
+        )
+        self.link.send(failed)
+
+    def collect(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            prefill = self.prefilling.get(out.request_id)
+            if prefill is None:
+                continue
+            first = self.first_tokens.setdefault(out.request_id, [])
+            first.append(to_delta(out))
+            if len(first) == prefill.request.sampling.n:
+                self.finish(prefill, sorted(first, key=lambda d: d.index))
+
+    def finish(self, prefill: PrefillRequest, first: list[TokenDelta]) -> None:
+        """Lease the prompt's blocks to a reader, or, when the first tokens already end every
+        choice, free them and hand the tokens to the postproc worker directly."""
+        request_id = prefill.request.request_id
+        del self.prefilling[request_id], self.first_tokens[request_id]
+        done = PrefillDone(
+            request_id=request_id, worker_id=self.worker_id, agent_name=self.agent.name, first=first
+        )
+        if done.finished:
+            self.engine.release_held(request_id)
+            self.push.send(
+                prefill.postproc_address, TokenBatch(deltas=first, first=[prefill.request])
+            )
+        else:
+            done.block_ids = self.engine.held_block_table(request_id)
+            self.leases.add(request_id, time.monotonic())
+        self.link.send(done)
+
+    def end_leases(self) -> None:
+        for _peer, note in self.agent.take_notifications():
+            request_id = note.decode(errors="replace")
+            if self.leases.release(request_id):
+                self.engine.release_held(request_id)
+        for request_id in self.leases.expired(time.monotonic()):
+            logger.warning("%s: lease expired before its KV was read; blocks freed", request_id)
+            self.engine.release_held(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)  # frees held blocks too
+        self.prefilling.pop(request_id, None)
+        self.first_tokens.pop(request_id, None)
+        self.leases.release(request_id)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.push.close()
+        self.link.socket.close()

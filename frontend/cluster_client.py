@@ -1,0 +1,150 @@
+"""The frontend's side of the cluster: submit GenerateRequests, receive their chunks, abort.
+
+    GenerateRequest / Abort / ClusterInfoRequest ──DEALER──▶ orchestrator
+    RequestFailed / ClusterInfo ◀──────────────────DEALER─── orchestrator
+    Chunk ◀────────────────────────────────────────PULL───── postproc workers (at `reply_to`)
+
+Each open request has an asyncio.Queue that the two reader tasks fill; the route handler reads
+it. The frontend registers with the orchestrator like a worker (role "frontend") so that
+/cluster_info lists it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from common.config import ClusterConfig
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Chunk,
+    ClusterInfo,
+    ClusterInfoRequest,
+    GenerateRequest,
+    Heartbeat,
+    Message,
+    Refused,
+    Register,
+    RegisterAgain,
+    RequestFailed,
+    WorkerStats,
+    encode,
+)
+from common.transport import async_recv, async_send, bind_random_port, make_socket
+
+logger = logging.getLogger(__name__)
+
+Event = Chunk | RequestFailed
+
+
+class ClusterClient:
+    def __init__(self, config: ClusterConfig, worker_id: str, http_url: str) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.context = zmq.asyncio.Context()
+        self.dealer = make_socket(self.context, zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.dealer.connect(config.orchestrator.address)
+        self.chunks = make_socket(self.context, zmq.PULL)
+        self.reply_to = bind_random_port(self.chunks, config.internal_host)
+        self.register_message = Register(
+            worker_id=worker_id,
+            role="frontend",
+            protocol_version=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            address=http_url,
+        )
+        self.open: dict[str, asyncio.Queue[Event]] = {}
+        self._info_waiters: deque[asyncio.Future[ClusterInfo]] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await async_send(self.dealer, self.register_message)
+        self._tasks = [
+            asyncio.create_task(self._read_chunks()),
+            asyncio.create_task(self._read_orchestrator()),
+            asyncio.create_task(self._heartbeat()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.dealer.close()
+        self.chunks.close()
+        self.context.term()
+
+    async def submit(self, request: GenerateRequest) -> asyncio.Queue[Event]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.open[request.request_id] = queue
+        await async_send(self.dealer, request)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: stop the request everywhere (a no-op if it already ended).
+
+        Not a coroutine: it runs in `finally` blocks of cancelled tasks, where an await would
+        raise before sending. A NOBLOCK send on an idle socket goes out at once.
+        """
+        if self.open.pop(request_id, None) is not None:
+            self.dealer.send(encode(Abort(request_id=request_id, reason="client")), zmq.NOBLOCK)
+
+    def done(self, request_id: str) -> None:
+        self.open.pop(request_id, None)
+
+    async def cluster_info(self, timeout_s: float) -> ClusterInfo | None:
+        """The orchestrator's table, or None when it does not answer in time."""
+        waiter: asyncio.Future[ClusterInfo] = asyncio.get_running_loop().create_future()
+        self._info_waiters.append(waiter)
+        await async_send(self.dealer, ClusterInfoRequest())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def _read_chunks(self) -> None:
+        while True:
+            message = await async_recv(self.chunks, "a postproc worker")
+            if isinstance(message, Chunk):
+                self._deliver(message.request_id, message)
+
+    async def _read_orchestrator(self) -> None:
+        while True:
+            message = await async_recv(self.dealer, "the orchestrator")
+            self._on_orchestrator(message)
+
+    def _on_orchestrator(self, message: Message | None) -> None:
+        if isinstance(message, RequestFailed):
+            self._deliver(message.request_id, message)
+        elif isinstance(message, ClusterInfo):
+            while self._info_waiters:  # answers come in order; drop waiters that timed out
+                waiter = self._info_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(message)
+                    break
+        elif isinstance(message, RegisterAgain):
+            asyncio.create_task(async_send(self.dealer, self.register_message))
+        elif isinstance(message, Refused):
+            logger.error("registration refused: %s", message.reason)
+            sys.exit(2)
+
+    def _deliver(self, request_id: str, event: Event) -> None:
+        queue = self.open.get(request_id)
+        if queue is not None:  # else the client left and the request was aborted
+            queue.put_nowait(event)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.orchestrator.heartbeat_interval_seconds)
+            stats = WorkerStats(active_requests=len(self.open))
+            await async_send(self.dealer, Heartbeat(worker_id=self.worker_id, stats=stats))

@@ -1,0 +1,58 @@
+"""`python -m frontend.main --worker-id fe-0 [--config cluster.yaml]`: the HTTP frontend under
+hypercorn. Several frontend processes share the port (SO_REUSEPORT), so one event loop is not
+the ceiling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+
+from common.entrypoint import parse_args, setup_logging
+from frontend.app import build_app, load_model_info
+from frontend.cluster_client import ClusterClient
+
+logger = logging.getLogger(__name__)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run(argv: list[str] | None = None) -> None:
+    config, worker_id = parse_args("HTTP frontend", argv)
+    setup_logging(worker_id)
+    host, port = config.frontend.host, config.frontend.port
+    url = f"http://{host}:{port}"
+    client = ClusterClient(config, worker_id, url)
+    app = build_app(config, client, load_model_info(config))
+    sock = listening_socket(host, port)
+    hypercorn_config = HypercornConfig()
+    hypercorn_config.bind = [f"fd://{sock.fileno()}"]
+    hypercorn_config.accesslog = None
+    hypercorn_config.graceful_timeout = 3.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    logger.info("serving on %s/v1 (chunks at %s)", url, client.reply_to)
+    await serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    sock.close()
+    logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(run(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""The generation worker's loop: admit decode requests, pull their prompt's KV from the context
+worker over NIXL, decode them in one continuous batch, and push each step's tokens to the
+requests' postproc workers.
+
+One `step()`: take commands, start pulls while there is room, settle finished pulls, run one
+engine step, push the step's TokenBatches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from common.config import ClusterConfig
+from common.errors import InvalidRequest
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    DecodeRequest,
+    KVPool,
+    Message,
+    Register,
+    Registered,
+    RequestFailed,
+    RequestFinished,
+    TokenBatch,
+    TokenDelta,
+    WorkerStats,
+    decode_token_ids,
+)
+from common.worker_link import OrchestratorLink, PushSockets
+from engine.kv_transfer import KVTransferAgent, KVTransferError
+from engine.llm_engine import LLMEngine, TokenOutput
+from engine.serving import engine_config, extra_keys, to_delta, worker_stats
+from generation_worker.pulls import Pull, plan_read
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 5
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    decode: DecodeRequest
+    unfinished: set[int]  # choices still decoding
+    announced: bool = False  # its postproc worker has been sent the GenerateRequest
+    num_output_tokens: int = 0
+    transfer_num_bytes: int = 0
+    transfer_seconds: float = 0.0
+    pending: list[TokenDelta] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.decode.request.request_id
+
+
+class GenerationWorker:
+    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        workers = config.generation_workers
+        self.engine = LLMEngine(
+            engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
+        )
+        kv_cache = self.engine.kv_cache
+        self.agent = KVTransferAgent(
+            f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes
+        )
+        self.max_num_seqs = workers.max_num_seqs
+        self.waiting: deque[DecodeRequest] = deque()  # prefilled, waiting for blocks or a slot
+        self.pulls: dict[str, Pull] = {}
+        self.active: dict[str, ActiveRequest] = {}
+        self.outbox: dict[str, TokenBatch] = {}  # postproc address -> this step's tokens
+        self.kv_bytes_pulled = 0
+        self.kv_pull_seconds = 0.0
+        self.push = PushSockets(context)
+        register = Register(
+            worker_id=worker_id,
+            role="generation",
+            protocol_version=PROTOCOL_VERSION,
+            pid=os.getpid(),
+        )
+        self.link = OrchestratorLink(
+            context,
+            config.orchestrator.address,
+            register,
+            config.orchestrator.heartbeat_interval_seconds,
+            self.stats,
+        )
+
+    def stats(self) -> WorkerStats:
+        stats = worker_stats(self.engine, len(self.active))
+        stats.kv_bytes_pulled = self.kv_bytes_pulled
+        stats.kv_pull_seconds = self.kv_pull_seconds
+        return stats
+
+    def step(self) -> None:
+        if not (self.engine.has_unfinished() or self.pulls or self.waiting):
+            self.link.socket.poll(IDLE_POLL_MS)
+        for message in self.link.receive():
+            self.handle(message)
+        self.start_pulls()
+        self.settle_pulls()
+        if self.engine.has_unfinished():
+            self.emit(self.engine.step())
+        self.flush()
+        self.link.heartbeat_if_due()
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, DecodeRequest):
+            self.accept(message)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+        elif isinstance(message, Registered):
+            self.sync_peers(message.peers)
+
+    def sync_peers(self, pools: list[KVPool]) -> None:
+        """Load each context worker's pool once (not per request); forget the departed."""
+        known = set(self.agent.peer_names)
+        listed = {pool.agent_name for pool in pools}
+        for pool in pools:
+            if pool.agent_name not in known:
+                try:
+                    self.agent.add_peer(pool)
+                    logger.info("added NIXL peer %s", pool.agent_name)
+                except KVTransferError as e:
+                    logger.error("cannot read KV from %s: %s", pool.agent_name, e)
+        in_use = {p.decode.prefill.agent_name for p in self.pulls.values() if p.decode.prefill}
+        for name in known - listed - in_use:
+            self.agent.remove_peer(name)
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def accept(self, decode: DecodeRequest) -> None:
+        request = decode.request
+        if request.request_id in self.active:
+            return  # a duplicate delivery
+        prefill = decode.prefill
+        if prefill is None:
+            active = ActiveRequest(decode, set(range(request.sampling.n)))
+            self.active[request.request_id] = active
+            try:
+                prompt = decode_token_ids(request.prompt_token_ids_b64)
+                self.engine.add_request(
+                    request.request_id, prompt, request.sampling, extra_keys(request)
+                )
+            except (InvalidRequest, ValueError) as e:
+                self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
+            return
+        active = ActiveRequest(decode, {d.index for d in prefill.first if d.finish_reason is None})
+        self.active[request.request_id] = active
+        self.queue(active, prefill.first)  # the first tokens go out before the pull
+        self.waiting.append(decode)
+
+    def start_pulls(self) -> None:
+        while (
+            self.waiting
+            and len(self.pulls) + len(self.engine.scheduler.running) < self.max_num_seqs
+        ):
+            if not self.start_pull(self.waiting[0]):
+                return  # no free blocks now; retry next step
+            self.waiting.popleft()
+
+    def start_pull(self, decode: DecodeRequest) -> bool:
+        """Allocate blocks and post the READ; False (nothing changed) when blocks are short."""
+        request, prefill = decode.request, decode.prefill
+        assert prefill is not None
+        active = self.active[request.request_id]
+        first_tokens = {d.index: d.token_ids[0] for d in prefill.first if d.finish_reason is None}
+        try:
+            prompt = decode_token_ids(request.prompt_token_ids_b64)
+            planned = self.engine.add_pulled_request(
+                request.request_id,
+                prompt,
+                request.sampling,
+                first_tokens,
+                prefill.first[0].num_cached_tokens,
+                extra_keys(request),
+            )
+        except (InvalidRequest, ValueError) as e:
+            self.release_source(decode)
+            self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
+            return True
+        if planned is None:
+            return False
+        table, num_valid = planned
+        notification = request.request_id.encode()
+        try:
+            plan = plan_read(prefill.block_ids, table, num_valid, self.engine.config.block_size)
+            if plan.remote_block_ids:
+                handle = self.agent.start_read(
+                    prefill.agent_name,
+                    plan.remote_block_ids,
+                    plan.local_block_ids,
+                    notification,
+                    self.config.transfer.pull_timeout_seconds,
+                )
+            else:
+                self.agent.notify(prefill.agent_name, notification)
+                handle = None
+        except (KVTransferError, ValueError) as e:
+            self.pulls[request.request_id] = Pull(decode, None)
+            self.pull_failed(request.request_id, str(e))
+            return True
+        self.pulls[request.request_id] = Pull(decode, handle)
+        return True
+
+    def settle_pulls(self) -> None:
+        for request_id, pull in list(self.pulls.items()):
+            handle = pull.handle
+            state = "done" if handle is None else self.agent.poll(handle)
+            if state == "pending":
+                continue
+            if handle is not None:
+                self.agent.release(handle)
+            if state == "done":
+                del self.pulls[request_id]
+                if handle is not None and handle.seconds is not None:
+                    self.record_transfer(self.active[request_id], handle.num_bytes, handle.seconds)
+                self.engine.pull_done(request_id)
+            else:
+                self.pull_failed(request_id, handle.error if handle else "unknown error")
+
+    def record_transfer(self, active: ActiveRequest, num_bytes: int, seconds: float) -> None:
+        active.transfer_num_bytes += num_bytes
+        active.transfer_seconds += seconds
+        self.kv_bytes_pulled += num_bytes
+        self.kv_pull_seconds += seconds
+
+    def pull_failed(self, request_id: str, error: str | None) -> None:
+        """The READ failed or timed out (and is cancelled): recompute here, or fail the request."""
+        pull = self.pulls.pop(request_id)
+        recompute = self.config.transfer.recompute_on_failure
+        source = pull.decode.prefill.agent_name if pull.decode.prefill else "?"
+        logger.warning(
+            "%s: KV pull from %s failed (%s); %s",
+            request_id,
+            source,
+            error,
+            "recomputing the prompt here" if recompute else "failing the request",
+        )
+        self.engine.pull_failed(request_id, recompute)
+        self.release_source(pull.decode)
+        if not recompute:
+            self.fail(
+                self.active[request_id],
+                503,
+                f"KV transfer from the context worker failed: {error}",
+                None,
+                "kv_transfer_failed",
+            )
+
+    def release_source(self, decode: DecodeRequest) -> None:
+        """Tell the context worker it may free its lease now (nothing more will be read)."""
+        if decode.prefill is None or decode.prefill.finished:
+            return
+        try:
+            self.agent.notify(decode.prefill.agent_name, decode.request.request_id.encode())
+        except KVTransferError:
+            pass  # the source is gone or unknown: its lease expires by itself
+
+    # --- output -----------------------------------------------------------------------------------
+
+    def emit(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            active = self.active.get(out.request_id)
+            if active is None:
+                continue
+            self.queue(active, [to_delta(out)])
+            if out.finish_reason is not None:
+                active.unfinished.discard(out.index)
+                if not active.unfinished:
+                    self.finish(active, out.finish_reason)
+
+    def queue(self, active: ActiveRequest, deltas: list[TokenDelta]) -> None:
+        """Add deltas to this step's batch for the request's postproc worker."""
+        address = active.decode.postproc_address
+        batch = self.outbox.setdefault(address, TokenBatch(deltas=[]))
+        if not active.announced:
+            active.announced = True
+            batch.first.append(active.decode.request)
+        batch.deltas.extend(deltas)
+        active.num_output_tokens += sum(len(d.token_ids) for d in deltas)
+
+    def flush(self) -> None:
+        for address, batch in self.outbox.items():
+            self.push.send(address, batch)
+        self.outbox.clear()
+
+    def finish(self, active: ActiveRequest, reason: str) -> None:
+        del self.active[active.request_id]
+        finished = RequestFinished(
+            request_id=active.request_id,
+            worker_id=self.worker_id,
+            finish_reason=reason,
+            num_output_tokens=active.num_output_tokens,
+            transfer_num_bytes=active.transfer_num_bytes,
+            transfer_seconds=active.transfer_seconds,
+        )
+        self.link.send(finished)
+
+    def end(self, active: ActiveRequest) -> None:
+        """End every unfinished choice as aborted, so the postproc worker drops the request."""
+        if active.announced:
+            ends = [
+                TokenDelta(active.request_id, i, [], finish_reason="abort")
+                for i in sorted(active.unfinished)
+            ]
+            self.queue(active, ends)
+        self.finish(active, "abort")
+
+    def fail(
+        self,
+        active: ActiveRequest,
+        status_code: int,
+        message: str,
+        param: str | None,
+        code: str = "invalid_request",
+    ) -> None:
+        self.link.send(
+            RequestFailed(
+                request_id=active.request_id,
+                status_code=status_code,
+                message=message,
+                code=code,
+                param=param,
+            )
+        )
+        self.engine.abort(active.request_id)
+        self.end(active)
+
+    def abort(self, request_id: str) -> None:
+        active = self.active.get(request_id)
+        if active is None:
+            return
+        pull = self.pulls.pop(request_id, None)
+        if pull is not None and pull.handle is not None:
+            self.agent.release(pull.handle)  # cancel the READ before its blocks are freed
+        if pull is not None or active.decode in self.waiting:
+            if active.decode in self.waiting:
+                self.waiting.remove(active.decode)
+            self.release_source(active.decode)
+        self.engine.abort(request_id)
+        self.end(active)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.push.close()
+        self.link.socket.close()

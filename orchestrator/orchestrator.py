@@ -1,0 +1,337 @@
+"""The orchestrator's logic, without sockets: messages in, (recipient, message) pairs out.
+
+Request state machine (a request leaves the table when it ends):
+
+    queued ──▶ prefilling ──PrefillDone──▶ decoding ──RequestFinished──▶ finished
+      │  (context worker)      │  (first token ends it)                   ──RequestFailed──▶ failed
+      └─ aggregated, or a short prompt ─▶ decoding (the generation worker prefills)
+    any state ──Abort (client gone, stop string)──▶ aborted
+
+Retries happen only before the first token: a request whose context worker dies while
+prefilling is sent to another one. Once decoding, a dead worker fails the request.
+Abort goes to the context worker only while it prefills; after the hand-off the generation worker
+owns the request and tells the context worker itself (NIXL notification) to free its lease.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import dataclass
+
+from common.block_hash import block_hashes
+from common.config import ClusterConfig
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ClusterInfo,
+    ClusterInfoRequest,
+    DecodeRequest,
+    GenerateRequest,
+    Heartbeat,
+    Message,
+    PrefillDone,
+    PrefillRequest,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    RequestFailed,
+    RequestFinished,
+    WorkerInfo,
+    decode_token_ids,
+)
+from orchestrator.registry import Registry, WorkerRecord
+from orchestrator.router import PrefixIndex, make_router
+
+logger = logging.getLogger(__name__)
+
+Outbox = list[tuple[bytes, Message]]
+MAX_PREFILL_ATTEMPTS = 2
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request: GenerateRequest
+    frontend: bytes  # the ROUTER identity to send RequestFailed to
+    prompt_token_ids: list[int]
+    postproc_address: str = ""
+    state: State = State.QUEUED
+    context_worker: WorkerRecord | None = None
+    generation_worker: WorkerRecord | None = None
+    prefill_attempts: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def load(self) -> int:
+        """Tokens it adds to a worker's load: the prompt and all it may generate."""
+        sampling = self.request.sampling
+        return len(self.prompt_token_ids) + sampling.n * sampling.max_tokens
+
+
+class Orchestrator:
+    def __init__(self, config: ClusterConfig, address: str = "") -> None:
+        self.config = config
+        self.address = address
+        self.registry = Registry(config.orchestrator.worker_timeout_seconds)
+        self.prefix_index = PrefixIndex()  # fed by KV events (observability issue)
+        block_size = config.kv_cache.block_size
+        self.context_router = make_router(config.orchestrator.router, self.prefix_index, block_size)
+        self.generation_router = make_router(
+            config.orchestrator.router, self.prefix_index, block_size
+        )
+        self.requests: dict[str, RequestRecord] = {}
+
+    # --- dispatch ---------------------------------------------------------------------------------
+
+    def handle(self, sender: bytes, message: Message, now: float) -> Outbox:
+        out: Outbox = []
+        if isinstance(message, GenerateRequest):
+            self.on_generate(sender, message, out)
+        elif isinstance(message, PrefillDone):
+            self.on_prefill_done(message, out)
+        elif isinstance(message, RequestFinished):
+            self.end(message.request_id)
+        elif isinstance(message, RequestFailed):
+            self.fail(message.request_id, message, out)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id, out)
+        elif isinstance(message, Heartbeat):
+            if not self.registry.heartbeat(message.worker_id, message.stats, now):
+                out.append((sender, RegisterAgain()))
+        elif isinstance(message, Register):
+            self.on_register(sender, message, now, out)
+        elif isinstance(message, ClusterInfoRequest):
+            out.append((sender, self.cluster_info(now)))
+        else:
+            logger.warning("ignored a %s from %r", type(message).__name__, sender)
+        return out
+
+    def tick(self, now: float) -> Outbox:
+        """Periodic: find the dead, and deal with their requests."""
+        out: Outbox = []
+        for worker in self.registry.expire(now):
+            logger.error(
+                "%s %s (pid %d) missed its heartbeats for %.1f s: marked dead",
+                worker.role,
+                worker.worker_id,
+                worker.pid,
+                now - worker.last_seen,
+            )
+            self.worker_lost(worker, out)
+        return out
+
+    # --- registration -----------------------------------------------------------------------------
+
+    def on_register(self, sender: bytes, message: Register, now: float, out: Outbox) -> None:
+        if message.protocol_version != PROTOCOL_VERSION:
+            reason = (
+                f"{message.worker_id} speaks protocol version {message.protocol_version}, this"
+                f" orchestrator {PROTOCOL_VERSION}: run the same release everywhere"
+            )
+            logger.error("refused a registration: %s", reason)
+            out.append((sender, Refused(reason=reason)))
+            return
+        old = self.registry.register(message, now)
+        if old is not None and old.pid != message.pid:
+            logger.warning("%s restarted (pid %d -> %d)", message.worker_id, old.pid, message.pid)
+            self.worker_lost(old, out)
+        logger.info("%s %s registered (pid %d)", message.role, message.worker_id, message.pid)
+        out.append((sender, self.peers()))
+        if message.role in ("context", "postproc"):
+            self.broadcast_peers(out, skip=message.worker_id)
+
+    def peers(self) -> Registered:
+        addresses = [w.address for w in self.registry.ready("postproc")]
+        return Registered(peers=self.registry.kv_pools(), postproc_addresses=addresses)
+
+    def broadcast_peers(self, out: Outbox, skip: str = "") -> None:
+        update = self.peers()
+        for worker in self.registry.ready("generation"):
+            if worker.worker_id != skip:
+                out.append((worker.worker_id.encode(), update))
+
+    def cluster_info(self, now: float) -> ClusterInfo:
+        me = WorkerInfo(
+            worker_id="orchestrator",
+            role="orchestrator",
+            pid=os.getpid(),
+            address=self.address,
+            state="ready",
+            active_requests=len(self.requests),
+        )
+        workers = sorted(self.registry.workers.values(), key=lambda w: (w.role, w.worker_id))
+        return ClusterInfo(
+            workers=[me, *(w.info(now) for w in workers)], num_requests=len(self.requests)
+        )
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def on_generate(self, sender: bytes, request: GenerateRequest, out: Outbox) -> None:
+        if request.request_id in self.requests:
+            failed = self.failure(request.request_id, 400, "this request id is already in use")
+            out.append((sender, failed))
+            return
+        try:
+            prompt = decode_token_ids(request.prompt_token_ids_b64)
+        except ValueError as e:
+            out.append((sender, self.failure(request.request_id, 400, str(e))))
+            return
+        record = RequestRecord(request, sender, prompt)
+        postproc = self.registry.postproc_for(request.request_id)
+        if postproc is None:
+            out.append((sender, self.failure(request.request_id, 503, "no postproc worker is up")))
+            return
+        record.postproc_address = postproc.address
+        self.requests[request.request_id] = record
+        if self.prefills_locally(record):
+            self.start_decode(record, None, out)
+        else:
+            self.start_prefill(record, out)
+
+    def prefills_locally(self, record: RequestRecord) -> bool:
+        """Aggregated mode, a short prompt, or no context worker up: skip the hand-off."""
+        if self.config.mode == "aggregated":
+            return True
+        if len(record.prompt_token_ids) <= self.config.orchestrator.max_local_prefill_length:
+            return True
+        if not self.registry.ready("context"):
+            logger.warning("%s: no context worker is up; prefilling on a generation worker",
+                           record.request_id)  # fmt: skip
+            return True
+        return False
+
+    def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
+        workers = self.registry.ready("context")
+        worker = self.context_router.pick(workers, self.hashes(record))
+        record.state = State.PREFILLING
+        record.prefill_attempts += 1
+        self.assign(record, worker, "context_worker")
+        prefill = PrefillRequest(request=record.request, postproc_address=record.postproc_address)
+        out.append((worker.worker_id.encode(), prefill))
+
+    def on_prefill_done(self, done: PrefillDone, out: Outbox) -> None:
+        record = self.requests.get(done.request_id)
+        if record is None or record.state is not State.PREFILLING:
+            return  # aborted meanwhile: the context worker was told to abort too
+        self.release(record, "context_worker")
+        if done.finished:
+            self.end(done.request_id)  # the context worker sent the tokens to postproc itself
+            return
+        self.start_decode(record, done, out)
+
+    def start_decode(self, record: RequestRecord, prefill: PrefillDone | None, out: Outbox) -> None:
+        workers = self.registry.ready("generation")
+        if not workers:
+            failed = self.failure(record.request_id, 503, "no generation worker is up")
+            self.fail(record.request_id, failed, out)
+            return
+        worker = self.generation_router.pick(workers, self.hashes(record))
+        record.state = State.DECODING
+        self.assign(record, worker, "generation_worker")
+        decode = DecodeRequest(
+            request=record.request, postproc_address=record.postproc_address, prefill=prefill
+        )
+        out.append((worker.worker_id.encode(), decode))
+
+    def hashes(self, record: RequestRecord) -> list[int]:
+        salt = record.request.cache_salt
+        extra = (("cache_salt", salt),) if salt else ()
+        return block_hashes(record.prompt_token_ids, self.config.kv_cache.block_size, extra)
+
+    def assign(self, record: RequestRecord, worker: WorkerRecord, slot: str) -> None:
+        setattr(record, slot, worker)
+        worker.active_tokens += record.load
+        worker.request_ids.add(record.request_id)
+
+    def release(self, record: RequestRecord, slot: str) -> None:
+        worker: WorkerRecord | None = getattr(record, slot)
+        if worker is not None and record.request_id in worker.request_ids:
+            worker.active_tokens -= record.load
+            worker.request_ids.discard(record.request_id)
+
+    # --- endings ----------------------------------------------------------------------------------
+
+    def end(self, request_id: str) -> RequestRecord | None:
+        record = self.requests.pop(request_id, None)
+        if record is not None:
+            self.release(record, "context_worker")
+            self.release(record, "generation_worker")
+        return record
+
+    def fail(self, request_id: str, failed: RequestFailed, out: Outbox) -> None:
+        record = self.end(request_id)
+        if record is not None:
+            out.append((record.frontend, failed))
+
+    def abort(self, request_id: str, out: Outbox) -> None:
+        record = self.end(request_id)
+        if record is None:
+            return
+        worker = (
+            record.context_worker if record.state is State.PREFILLING else record.generation_worker
+        )
+        if worker is not None:
+            out.append((worker.worker_id.encode(), Abort(request_id=request_id)))
+
+    def worker_lost(self, worker: WorkerRecord, out: Outbox) -> None:
+        """A worker died (or restarted without its state): deal with every request it held."""
+        lost = [r for r in self.requests.values() if self.touches(r, worker)]
+        for record in lost:
+            if worker.role == "context" and record.state is State.PREFILLING:
+                self.release(record, "context_worker")
+                if record.prefill_attempts < MAX_PREFILL_ATTEMPTS:
+                    logger.warning("%s: retrying its prefill elsewhere", record.request_id)
+                    if self.prefills_locally(record):
+                        self.start_decode(record, None, out)
+                    else:
+                        self.start_prefill(record, out)
+                    continue
+            message = f"the {worker.role} worker serving this request stopped ({worker.worker_id})"
+            self.fail(record.request_id, self.failure(record.request_id, 503, message), out)
+            self.abort_on_others(record, worker, out)
+        worker.request_ids.clear()
+        worker.active_tokens = 0
+        self.prefix_index.forget(worker.worker_id)
+        if worker.role in ("context", "postproc"):
+            self.broadcast_peers(out)
+
+    @staticmethod
+    def touches(record: RequestRecord, worker: WorkerRecord) -> bool:
+        if worker.role == "postproc":
+            return record.postproc_address == worker.address
+        if worker.role == "context":  # after the hand-off, a failed READ is the reader's to report
+            return record.state is State.PREFILLING and record.context_worker is worker
+        return record.generation_worker is worker
+
+    @staticmethod
+    def abort_on_others(record: RequestRecord, lost: WorkerRecord, out: Outbox) -> None:
+        """Free what the workers hold for a request failed because `lost` is gone (`lost` too,
+        in case it was only slow)."""
+        abort = Abort(request_id=record.request_id, reason="error")
+        if record.state is State.PREFILLING:
+            holders = [record.context_worker]
+        else:  # once the reader is gone no READ is in flight: the lease can go now
+            holders = [record.generation_worker]
+            if record.generation_worker is lost:
+                holders.append(record.context_worker)
+        for worker in holders:
+            if worker is not None:
+                out.append((worker.worker_id.encode(), abort))
+
+    @staticmethod
+    def failure(request_id: str, status_code: int, message: str) -> RequestFailed:
+        code = "service_unavailable" if status_code == 503 else "invalid_request"
+        return RequestFailed(
+            request_id=request_id, status_code=status_code, message=message, code=code
+        )

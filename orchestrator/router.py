@@ -1,0 +1,99 @@
+"""Pick a worker for a request: round robin, least loaded, or KV-aware.
+
+The KV-aware router scores each worker by
+    cost = overlap_weight × (prompt blocks NOT cached there) + (active tokens / block_size)
+and takes the cheapest (ties broken at random). Its knowledge of what each worker caches comes
+from the workers' KV events through `PrefixIndex`; a worker without events yet is scored by load
+alone, which makes the router least-loaded until events flow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from orchestrator.registry import WorkerRecord
+
+
+class RoundRobinRouter:
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, workers: Sequence[WorkerRecord], block_hashes: Sequence[int]) -> WorkerRecord:
+        return workers[next(self._counter) % len(workers)]
+
+
+class LeastLoadedRouter:
+    """The worker with the fewest active tokens (prompt + max_tokens of its open requests)."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, workers: Sequence[WorkerRecord], block_hashes: Sequence[int]) -> WorkerRecord:
+        least = min(w.active_tokens for w in workers)
+        return self.rng.choice([w for w in workers if w.active_tokens == least])
+
+
+class PrefixIndex:
+    """Which block hashes each worker holds, fed by its KV events (stored / removed / cleared)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, set[int]] = {}
+
+    def stored(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        self._blocks.setdefault(worker_id, set()).update(block_hashes)
+
+    def removed(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        self._blocks.get(worker_id, set()).difference_update(block_hashes)
+
+    def cleared(self, worker_id: str) -> None:
+        self._blocks[worker_id] = set()
+
+    def forget(self, worker_id: str) -> None:
+        self._blocks.pop(worker_id, None)
+
+    def num_cached_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """Length of the prompt's longest prefix (in blocks) the worker holds; chained hashes make
+        a prefix match the only kind that can be reused."""
+        held = self._blocks.get(worker_id, set())
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in held:
+                break
+            count += 1
+        return count
+
+
+class KVAwareRouter:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        block_size: int,
+        overlap_weight: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.overlap_weight = overlap_weight
+        self.rng = rng or random.Random()
+
+    def cost(self, worker: WorkerRecord, block_hashes: Sequence[int]) -> float:
+        uncached = len(block_hashes) - self.index.num_cached_blocks(worker.worker_id, block_hashes)
+        return self.overlap_weight * uncached + worker.active_tokens / self.block_size
+
+    def pick(self, workers: Sequence[WorkerRecord], block_hashes: Sequence[int]) -> WorkerRecord:
+        costs = [self.cost(w, block_hashes) for w in workers]
+        least = min(costs)
+        return self.rng.choice([w for w, c in zip(workers, costs, strict=True) if c == least])
+
+
+Router = RoundRobinRouter | LeastLoadedRouter | KVAwareRouter
+
+
+def make_router(name: str, index: PrefixIndex, block_size: int) -> Router:
+    if name == "round_robin":
+        return RoundRobinRouter()
+    if name == "least_loaded":
+        return LeastLoadedRouter()
+    return KVAwareRouter(index, block_size)

@@ -1,0 +1,106 @@
+"""The postproc worker's loop: TokenBatches in (PULL), OpenAI bytes out to the frontend that owns
+each request (PUSH to its `reply_to`), and Abort(reason="stop") upstream when a stop string ends a
+request that is still decoding.
+
+Requests are spread over the pool by the orchestrator (a stable hash of the request id), so all
+of one request's batches reach the same worker and its state lives in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from common.config import ClusterConfig
+from common.errors import error_body
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Chunk,
+    Register,
+    TokenBatch,
+    WorkerStats,
+)
+from common.tokenizer import load_tokenizer, resolve_model_dir
+from common.transport import bind_random_port, make_socket, recv
+from common.worker_link import OrchestratorLink, PushSockets
+from postproc_worker.formatter import RequestState
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+class PostprocWorker:
+    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+        self.tokenizer = load_tokenizer(resolve_model_dir(config.model))
+        self.tokens = make_socket(context, zmq.PULL)
+        self.address = bind_random_port(self.tokens, config.internal_host)
+        self.requests: dict[str, RequestState] = {}
+        self.reply_to: dict[str, str] = {}
+        self.push = PushSockets(context)
+        register = Register(
+            worker_id=worker_id,
+            role="postproc",
+            protocol_version=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            address=self.address,
+        )
+        self.link = OrchestratorLink(
+            context,
+            config.orchestrator.address,
+            register,
+            config.orchestrator.heartbeat_interval_seconds,
+            self.stats,
+        )
+        self.poller = zmq.Poller()
+        self.poller.register(self.tokens, zmq.POLLIN)
+        self.poller.register(self.link.socket, zmq.POLLIN)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(active_requests=len(self.requests))
+
+    def step(self) -> None:
+        self.poller.poll(POLL_MS)
+        self.link.receive()  # only registration traffic comes this way
+        while (message := recv(self.tokens, "a worker")) is not None:
+            if isinstance(message, TokenBatch):
+                self.process(message)
+        self.link.heartbeat_if_due()
+
+    def process(self, batch: TokenBatch) -> None:
+        for request in batch.first:
+            self.requests[request.request_id] = RequestState(request, self.tokenizer)
+            self.reply_to[request.request_id] = request.reply_to
+        for delta in batch.deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None:
+                continue  # already done (a stop string ended it), or never announced
+            try:
+                out = state.add(delta)
+            except Exception:  # a formatter bug must cost one request, not the worker
+                logger.exception("%s: post-processing failed; ending the request", delta.request_id)
+                body = error_body(500, "post-processing failed", code="postproc_error")
+                failed = Chunk(request_id=delta.request_id, data=body, done=True, status_code=500)
+                self.push.send(self.reply_to[delta.request_id], failed)
+                self.end(delta.request_id, upstream=True)
+                continue
+            address = self.reply_to[delta.request_id]
+            if out.data or out.done:
+                self.push.send(
+                    address, Chunk(request_id=delta.request_id, data=out.data, done=out.done)
+                )
+            if out.done:
+                self.end(delta.request_id, upstream=out.abort_upstream)
+
+    def end(self, request_id: str, upstream: bool) -> None:
+        del self.requests[request_id], self.reply_to[request_id]
+        if upstream:
+            self.link.send(Abort(request_id=request_id, reason="stop"))
+
+    def close(self) -> None:
+        self.push.close()
+        self.tokens.close()
+        self.link.socket.close()

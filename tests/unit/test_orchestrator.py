@@ -1,0 +1,262 @@
+"""The orchestrator's logic without sockets: registration, routing, the request state machine,
+and what happens to requests when workers die."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.config import parse_cluster_config
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ClusterInfo,
+    ClusterInfoRequest,
+    DecodeRequest,
+    GenerateRequest,
+    Heartbeat,
+    KVPool,
+    OutputOptions,
+    PrefillDone,
+    PrefillRequest,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    RequestFailed,
+    RequestFinished,
+    TokenDelta,
+    encode_token_ids,
+)
+from common.sampling_params import SamplingParams
+from orchestrator.orchestrator import Orchestrator, Outbox, State
+from orchestrator.registry import WorkerRecord
+from orchestrator.router import KVAwareRouter, LeastLoadedRouter, PrefixIndex, RoundRobinRouter
+
+FRONTEND = b"fe-0"
+
+
+def pool(name: str) -> KVPool:
+    return KVPool(
+        agent_name=name, agent_metadata=b"m", base_address=1, num_blocks=8, block_num_bytes=64
+    )
+
+
+def register(
+    orch: Orchestrator, worker_id: str, role: str, now: float = 0.0, pid: int = 1
+) -> Outbox:
+    message = Register(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        protocol_version=PROTOCOL_VERSION,
+        pid=pid,
+        address=f"tcp://127.0.0.1:{7000 + len(orch.registry.workers)}"
+        if role == "postproc"
+        else "",
+        kv_pool=pool(f"{worker_id}-agent") if role == "context" else None,
+    )
+    return orch.handle(worker_id.encode(), message, now)
+
+
+def cluster(yaml: str = "", contexts: int = 1, generations: int = 1) -> Orchestrator:
+    orch = Orchestrator(parse_cluster_config(yaml))
+    for i in range(contexts):
+        register(orch, f"ctx-{i}", "context")
+    for i in range(generations):
+        register(orch, f"gen-{i}", "generation")
+    register(orch, "pp-0", "postproc")
+    return orch
+
+
+def generate(request_id: str = "cmpl-1", num_tokens: int = 40) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids_b64=encode_token_ids(list(range(num_tokens))),
+        sampling=SamplingParams(max_tokens=8),
+        output=OutputOptions(),
+        reply_to="tcp://127.0.0.1:9999",
+    )
+
+
+def prefill_done(request_id: str = "cmpl-1", finish_reason: str | None = None) -> PrefillDone:
+    first = [TokenDelta(request_id, 0, [5], finish_reason=finish_reason)]
+    blocks = [] if finish_reason else [3, 4, 5]
+    return PrefillDone(
+        request_id=request_id,
+        worker_id="ctx-0",
+        agent_name="ctx-0-agent",
+        first=first,
+        block_ids=blocks,
+    )
+
+
+def only(out: Outbox) -> tuple[bytes, object]:
+    assert len(out) == 1, out
+    return out[0]
+
+
+def test_version_mismatch_is_refused_with_both_versions_named() -> None:
+    orch = Orchestrator(parse_cluster_config(""))
+    message = Register(worker_id="gen-0", role="generation", protocol_version=99, pid=1)
+    _, reply = only(orch.handle(b"gen-0", message, 0.0))
+    assert isinstance(reply, Refused)
+    assert "99" in reply.reason and str(PROTOCOL_VERSION) in reply.reason
+    assert not orch.registry.workers
+
+
+def test_generation_workers_learn_context_pools_at_registration_and_on_change() -> None:
+    orch = Orchestrator(parse_cluster_config(""))
+    register(orch, "gen-0", "generation")
+    out = register(orch, "ctx-0", "context")
+    replies = dict(out)
+    assert isinstance(replies[b"ctx-0"], Registered)
+    update = replies[b"gen-0"]
+    assert isinstance(update, Registered)
+    assert [p.agent_name for p in update.peers] == ["ctx-0-agent"]
+    _, reply = only(register(orch, "gen-1", "generation"))
+    assert [p.agent_name for p in reply.peers] == ["ctx-0-agent"]
+
+
+def test_heartbeat_from_an_unknown_worker_asks_it_to_register_again() -> None:
+    orch = Orchestrator(parse_cluster_config(""))
+    _, reply = only(orch.handle(b"gen-7", Heartbeat(worker_id="gen-7"), 0.0))
+    assert isinstance(reply, RegisterAgain)
+
+
+def test_disaggregated_request_goes_prefill_then_decode_then_ends() -> None:
+    orch = cluster()
+    to, message = only(orch.handle(FRONTEND, generate(), 0.0))
+    assert to == b"ctx-0" and isinstance(message, PrefillRequest)
+    assert message.postproc_address == orch.registry.workers["pp-0"].address
+    assert orch.requests["cmpl-1"].state is State.PREFILLING
+    assert orch.registry.workers["ctx-0"].active_tokens == 48
+
+    to, message = only(orch.handle(b"ctx-0", prefill_done(), 0.0))
+    assert to == b"gen-0" and isinstance(message, DecodeRequest)
+    assert message.prefill is not None and message.prefill.block_ids == [3, 4, 5]
+    assert orch.registry.workers["ctx-0"].active_tokens == 0
+    assert orch.requests["cmpl-1"].state is State.DECODING
+
+    finished = RequestFinished(request_id="cmpl-1", worker_id="gen-0", finish_reason="length")
+    assert orch.handle(b"gen-0", finished, 0.0) == []
+    assert not orch.requests
+    assert orch.registry.workers["gen-0"].active_tokens == 0
+
+
+def test_first_token_that_ends_the_request_skips_the_generation_worker() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    assert orch.handle(b"ctx-0", prefill_done(finish_reason="stop"), 0.0) == []
+    assert not orch.requests
+
+
+@pytest.mark.parametrize(
+    ("yaml", "num_tokens"),
+    [("mode: aggregated", 40), ("orchestrator: {max_local_prefill_length: 64}", 40)],
+)
+def test_aggregated_mode_and_short_prompts_prefill_on_the_generation_worker(
+    yaml: str, num_tokens: int
+) -> None:
+    orch = cluster(yaml)
+    to, message = only(orch.handle(FRONTEND, generate(num_tokens=num_tokens), 0.0))
+    assert to == b"gen-0" and isinstance(message, DecodeRequest) and message.prefill is None
+
+
+def test_abort_goes_to_the_worker_that_holds_the_request() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate("a"), 0.0)
+    to, message = only(orch.handle(FRONTEND, Abort(request_id="a"), 0.0))
+    assert (to, message) == (b"ctx-0", Abort(request_id="a"))
+
+    orch.handle(FRONTEND, generate("b"), 0.0)
+    orch.handle(b"ctx-0", prefill_done("b"), 0.0)
+    to, message = only(orch.handle(b"pp-0", Abort(request_id="b", reason="stop"), 0.0))
+    assert to == b"gen-0"  # after the hand-off the generation worker frees the context's lease
+    assert not orch.requests
+    assert orch.handle(FRONTEND, Abort(request_id="b"), 0.0) == []  # unknown: ignored
+
+
+def test_worker_failure_is_forwarded_to_the_frontend() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    failed = RequestFailed(request_id="cmpl-1", status_code=400, message="bad", param="max_tokens")
+    assert only(orch.handle(b"ctx-0", failed, 0.0)) == (FRONTEND, failed)
+    assert not orch.requests
+
+
+def test_dead_context_worker_prefill_is_retried_on_another() -> None:
+    orch = cluster(contexts=2)
+    orch.context_router = RoundRobinRouter()
+    to, _ = only(orch.handle(FRONTEND, generate(), 0.0))
+    other = b"ctx-1" if to == b"ctx-0" else b"ctx-0"
+    orch.handle(other, Heartbeat(worker_id=other.decode()), 4.0)
+    for worker_id in (b"gen-0", b"pp-0"):
+        orch.handle(worker_id, Heartbeat(worker_id=worker_id.decode()), 4.0)
+    out = orch.tick(6.0)  # `to` has been silent for 6 s > worker_timeout_seconds
+    prefills = [(t, m) for t, m in out if isinstance(m, PrefillRequest)]
+    assert [t for t, _ in prefills] == [other]
+    assert orch.registry.workers[to.decode()].state == "dead"
+
+
+def test_dead_generation_worker_fails_its_requests_and_frees_the_lease() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)
+    for worker_id in (b"ctx-0", b"pp-0"):
+        orch.handle(worker_id, Heartbeat(worker_id=worker_id.decode()), 4.0)
+    out = orch.tick(6.0)
+    failures = [(t, m) for t, m in out if isinstance(m, RequestFailed)]
+    assert len(failures) == 1 and failures[0][0] == FRONTEND
+    assert failures[0][1].status_code == 503 and "gen-0" in failures[0][1].message
+    assert (b"ctx-0", Abort(request_id="cmpl-1", reason="error")) in out
+    assert not orch.requests
+
+
+def test_no_postproc_or_generation_worker_is_a_503() -> None:
+    orch = Orchestrator(parse_cluster_config("mode: aggregated"))
+    _, reply = only(orch.handle(FRONTEND, generate(), 0.0))
+    assert isinstance(reply, RequestFailed) and reply.status_code == 503
+    register(orch, "pp-0", "postproc")
+    _, reply = only(orch.handle(FRONTEND, generate(), 0.0))
+    assert isinstance(reply, RequestFailed) and "generation" in reply.message
+
+
+def test_cluster_info_lists_every_worker_and_the_orchestrator() -> None:
+    orch = cluster()
+    _, info = only(orch.handle(b"cli", ClusterInfoRequest(), 1.0))
+    assert isinstance(info, ClusterInfo)
+    assert [(w.role, w.worker_id) for w in info.workers] == [
+        ("orchestrator", "orchestrator"),
+        ("context", "ctx-0"),
+        ("generation", "gen-0"),
+        ("postproc", "pp-0"),
+    ]
+
+
+def workers(*loads: int) -> list[WorkerRecord]:
+    return [
+        WorkerRecord(f"w{i}", "generation", 1, "", None, 0.0, active_tokens=load)
+        for i, load in enumerate(loads)
+    ]
+
+
+def test_round_robin_cycles() -> None:
+    router, pool_ = RoundRobinRouter(), workers(0, 0, 0)
+    assert [router.pick(pool_, []).worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+
+
+def test_least_loaded_picks_fewest_active_tokens() -> None:
+    assert LeastLoadedRouter().pick(workers(30, 10, 20), []).worker_id == "w1"
+
+
+def test_kv_aware_prefers_the_cached_prefix_unless_the_load_outweighs_it() -> None:
+    index = PrefixIndex()
+    router = KVAwareRouter(index, block_size=16, rng=random.Random(0))
+    hashes = [11, 12, 13, 14]
+    index.stored("w1", [11, 12, 13])
+    assert router.pick(workers(0, 16), hashes).worker_id == "w1"  # 1 uncached + 1 vs 4 + 0
+    assert router.pick(workers(0, 16 * 8), hashes).worker_id == "w0"  # w1 is too busy
+    index.removed("w1", [11])  # a broken chain: nothing of the prefix is reusable
+    assert index.num_cached_blocks("w1", hashes) == 0
+    assert router.pick(workers(5, 0), hashes).worker_id == "w1"  # no events: by load
