@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -57,16 +58,19 @@ class OrchestratorLink:
     def worker_id(self) -> str:
         return self.register_message.worker_id
 
-    def register(self, timeout_s: float = 120.0) -> Registered:
-        """Send Register until the orchestrator answers (it may start after the worker)."""
+    def register(self, stop: threading.Event, timeout_s: float = 120.0) -> Registered | None:
+        """Send Register until the orchestrator answers (it may start after the worker); None
+        when `stop` is set first."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop.is_set():
             send(self.socket, self.register_message)
             if self.socket.poll(1000):
                 for message in self.receive():
                     if isinstance(message, Registered):
                         self.registered = message
                         return message
+        if stop.is_set():
+            return None
         logger.error("%s: no answer from the orchestrator in %.0f s", self.worker_id, timeout_s)
         sys.exit(1)
 

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     context = zmq.Context()
     worker = ContextWorker(config, worker_id, context)
     try:
-        worker.link.register()
+        if worker.link.register(stop) is None:
+            return
         logger.info("registered with the orchestrator at %s", config.orchestrator.address)
         while not stop.is_set():
             worker.step()

@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     context = zmq.Context()
     worker = GenerationWorker(config, worker_id, context)
     try:
-        registered = worker.link.register()
+        registered = worker.link.register(stop)
+        if registered is None:
+            return
         worker.sync_peers(registered.peers)
         logger.info("registered with the orchestrator at %s", config.orchestrator.address)
         while not stop.is_set():

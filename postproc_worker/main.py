@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     context = zmq.Context()
     worker = PostprocWorker(config, worker_id, context)
     try:
-        worker.link.register()
+        if worker.link.register(stop) is None:
+            return
         logger.info("registered; receiving tokens at %s", worker.address)
         while not stop.is_set():
             worker.step()

@@ -6,16 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_cluster_config, parse_cluster_config
+from common.config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_shipped_cluster_yaml_is_valid() -> None:
+def test_shipped_cluster_yaml_is_the_embedded_default() -> None:
     config = load_cluster_config(ROOT / "deploy/local/cluster.yaml")
+    assert config == ClusterConfig()
     assert config.model == "builtin:tiny"
     assert config.frontend.host == "127.0.0.1"
-    assert config.kv_cache.events.zmq == "tcp://127.0.0.1:5557"
+
+
+def test_shipped_aggregated_example_is_valid() -> None:
+    config = load_cluster_config(ROOT / "deploy/local/cluster-aggregated.yaml")
+    assert config.mode == "aggregated"
 
 
 def test_empty_file_gives_the_defaults() -> None:

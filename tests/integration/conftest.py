@@ -1,0 +1,41 @@
+"""Fixtures that start real clusters (see harness.py); every one is stopped after its module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import Cluster, stop, wait_healthy, write_config
+
+
+@pytest.fixture(scope="module")
+def start_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
+) -> Iterator[Callable[..., Cluster]]:
+    """A factory: start_cluster(mode, extra_yaml) -> Cluster; all are stopped after the module."""
+    started: list[tuple[Cluster, list[int]]] = []
+
+    def start(mode: str, extra: str = "") -> Cluster:
+        tmp = tmp_path_factory.mktemp(f"cluster-{mode}")
+        config_path, port = write_config(tmp / "cluster.yaml", mode, extra)
+        log_path = tmp / "cluster.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", "up", str(config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        cluster = Cluster(f"http://127.0.0.1:{port}", process, log_path)
+        started.append((cluster, []))
+        wait_healthy(cluster)
+        started[-1] = (cluster, [w.pid for w in cluster.info().workers])
+        return cluster
+
+    yield start
+    for cluster, pids in started:
+        stop(cluster, pids)

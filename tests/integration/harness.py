@@ -1,0 +1,123 @@
+"""A real cluster for integration tests: `orchestrator up` on loopback with free ports, talked to
+over HTTP, stopped and checked for leftover processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from common.protocol import ClusterInfo
+
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 15.0
+MODEL = "builtin:tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def info(self) -> ClusterInfo:
+        with urllib.request.urlopen(f"{self.url}/cluster_info", timeout=5) as response:
+            return msgspec.json.decode(response.read(), type=ClusterInfo)
+
+    def workers(self, role: str) -> list:
+        return [w for w in self.info().workers if w.role == role]
+
+    def wait_idle(self, timeout_s: float = 10.0) -> ClusterInfo:
+        """The table once every worker reports no request and no used or leased block (heartbeat
+        stats lag by up to one interval); the last table seen if that never happens."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.info()
+            busy = [
+                w
+                for w in info.workers
+                if w.role != "orchestrator"
+                and (w.blocks_used or w.blocks_leased or w.active_requests)
+            ]
+            if not busy or time.monotonic() > deadline:
+                return info
+            time.sleep(0.2)
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def write_config(path: Path, mode: str, extra: str = "") -> tuple[Path, int]:
+    port = free_port()
+    path.write_text(
+        f"model: {MODEL}\n"
+        f"mode: {mode}\n"
+        f"frontend: {{host: 127.0.0.1, port: {port}}}\n"
+        f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware,'
+        f" worker_timeout_seconds: 5}}\n"
+        f"kv_cache: {{block_size: 16, num_blocks: 512}}\n"
+        f"postproc_workers: {{count: 2}}\n"
+        f"{extra}"
+    )
+    return path, port
+
+
+def wait_healthy(cluster: Cluster) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if cluster.process.poll() is not None:
+            pytest.fail(
+                f"orchestrator up exited with {cluster.process.returncode}:\n{cluster.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{cluster.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the cluster was not healthy within {START_TIMEOUT_S} s:\n{cluster.log_tail()}")
+
+
+def stop(cluster: Cluster, pids: list[int]) -> None:
+    """SIGTERM the supervisor; it must be gone, with every process it started, in time."""
+    cluster.process.send_signal(signal.SIGTERM)
+    try:
+        cluster.process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(cluster.process.pid, signal.SIGKILL)
+        cluster.process.wait(5)
+        pytest.fail(f"orchestrator up did not stop within {STOP_TIMEOUT_S} s")
+    alive = [pid for pid in pids if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead: its parent (now gone) never reaped it
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

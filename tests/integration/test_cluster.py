@@ -1,0 +1,128 @@
+"""The whole cluster, started with `orchestrator up`, against Hugging Face `generate` through the
+official `openai` SDK: disaggregated (KV over NIXL) and aggregated."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.tiny_model import TEST_PROMPTS
+from tests.integration.harness import MODEL, Cluster
+
+MAX_NEW = 24
+SHARED_PREFIX = (
+    "You are a careful assistant. Read the question, think about the facts you know, and answer "
+    "in one short sentence. Question: "
+)
+
+
+@pytest.fixture(scope="module")
+def hf_texts(tiny_model_path: Path) -> dict[str, str]:
+    """Greedy continuations from Hugging Face, one prompt at a time, decoded like the server."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    texts = {}
+    for prompt in [*TEST_PROMPTS, SHARED_PREFIX + "why is the sky blue?"]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
+        texts[prompt] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return texts
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "aggregated"])
+def cluster(request: pytest.FixtureRequest, start_cluster) -> Cluster:
+    return start_cluster(request.param)
+
+
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=60, max_retries=0)
+
+
+def complete(cluster: Cluster, prompt: str, **options) -> openai.types.Completion:
+    return client(cluster).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0, **options
+    )
+
+
+def test_greedy_completions_match_hf_generate(cluster: Cluster, hf_texts: dict[str, str]) -> None:
+    with ThreadPoolExecutor(4) as pool:  # concurrent requests share the continuous batch
+        results = list(pool.map(lambda p: complete(cluster, p), TEST_PROMPTS))
+    for prompt, result in zip(TEST_PROMPTS, results, strict=True):
+        assert result.choices[0].text == hf_texts[prompt], prompt
+        assert result.usage is not None and result.usage.completion_tokens >= 1
+
+
+def test_streamed_text_equals_the_whole_text(cluster: Cluster, hf_texts: dict[str, str]) -> None:
+    prompt = TEST_PROMPTS[0]
+    stream = client(cluster).completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == hf_texts[prompt]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_second_run_of_a_shared_prompt_hits_the_prefix_cache(
+    cluster: Cluster, hf_texts: dict[str, str]
+) -> None:
+    prompt = SHARED_PREFIX + "why is the sky blue?"
+    generation = {w.worker_id: w for w in cluster.workers("generation")}
+    first, second = complete(cluster, prompt), complete(cluster, prompt)
+    assert first.choices[0].text == second.choices[0].text == hf_texts[prompt]
+    num_prompt = first.usage.prompt_tokens
+    assert num_prompt > 48
+    assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16
+    if cluster.workers("context"):
+        # The generation worker pulled the whole prompt once; the second time only the last,
+        # partial block: its full blocks were in its own prefix cache by then.
+        after = {w.worker_id: w for w in cluster.wait_idle().workers if w.role == "generation"}
+        pulled = sum(after[i].kv_bytes_pulled - generation[i].kv_bytes_pulled for i in after)
+        block_bytes = 4 * 2 * 16 * 2 * 32 * 4  # layers, K/V, block_size, kv heads, head_dim, fp32
+        num_blocks = -(-num_prompt // 16)
+        assert pulled == (num_blocks + (1 if num_prompt % 16 else 0)) * block_bytes
+
+
+def test_generation_worker_reads_kv_over_nixl_instead_of_recomputing(cluster: Cluster) -> None:
+    complete(cluster, TEST_PROMPTS[1])
+    info = cluster.wait_idle()
+    generation = [w for w in info.workers if w.role == "generation"]
+    if any(w.role == "context" for w in info.workers):
+        assert sum(w.kv_bytes_pulled for w in generation) > 0
+        assert sum(w.kv_pull_seconds for w in generation) > 0
+        assert sum(w.prompt_tokens_computed for w in generation) == 0
+    else:
+        assert sum(w.prompt_tokens_computed for w in generation) > 0
+        assert sum(w.kv_bytes_pulled for w in generation) == 0
+
+
+def test_bad_request_gets_an_openai_error(cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(cluster).completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert "maximum context length" in caught.value.message
+    with pytest.raises(openai.NotFoundError):
+        client(cluster).completions.create(model="gpt-4", prompt="hi")
+
+
+def test_every_kv_block_is_free_or_cached_afterwards(cluster: Cluster) -> None:
+    info = cluster.wait_idle()
+    engines = [w for w in info.workers if w.role in ("context", "generation")]
+    assert engines
+    for worker in engines:
+        assert worker.blocks_used == 0, worker
+        assert worker.blocks_leased == 0, worker
+        assert worker.active_requests == 0, worker
+        assert worker.blocks_total == 512
+    assert info.num_requests == 0
