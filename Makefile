@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-long lint bench tiny-model clean
+.PHONY: venv up test test-long lint bench tiny-model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ venv: $(STAMP)
 
 tiny-model: $(STAMP)
 	$(VENV)/bin/orchestrator tiny-model
+
+up: tiny-model
+	$(VENV)/bin/orchestrator up deploy/local/cluster.yaml
 
 test: tiny-model
 	$(PY) -m pytest -q -m "not long"

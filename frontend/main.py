@@ -25,7 +25,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
-    return sock
+    return sock  # hypercorn takes it over (fd://) and closes it at shutdown
 
 
 async def run(argv: list[str] | None = None) -> None:
@@ -46,7 +46,6 @@ async def run(argv: list[str] | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     logger.info("serving on %s/v1 (chunks at %s)", url, client.reply_to)
     await serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-    sock.close()
     logger.info("stopped")
 
 

@@ -79,11 +79,12 @@ def test_second_run_of_a_shared_prompt_hits_the_prefix_cache(
     cluster: Cluster, hf_texts: dict[str, str]
 ) -> None:
     prompt = SHARED_PREFIX + "why is the sky blue?"
-    generation = {w.worker_id: w for w in cluster.workers("generation")}
+    before = cluster.wait_idle().workers
+    generation = {w.worker_id: w for w in before if w.role == "generation"}
     first, second = complete(cluster, prompt), complete(cluster, prompt)
     assert first.choices[0].text == second.choices[0].text == hf_texts[prompt]
     num_prompt = first.usage.prompt_tokens
-    assert num_prompt > 48
+    assert num_prompt > 32
     assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16
     if cluster.workers("context"):
         # The generation worker pulled the whole prompt once; the second time only the last,

@@ -1,0 +1,348 @@
+"""`orchestrator up`: start every process of the cluster, wait until it serves, keep it alive.
+
+The supervisor is a plain synchronous loop over child processes (no torch, no asyncio). Each child
+is `sys.executable -m <package>.main`, in its own session, so a Ctrl-C in the terminal reaches only
+the supervisor, which then stops the children itself: SIGTERM to each process group, a grace
+period, SIGKILL to what is left. On Linux each child also gets PR_SET_PDEATHSIG=SIGTERM, so it is
+told to stop even when the supervisor itself is killed with SIGKILL.
+
+Child stdout and stderr are inherited: one interleaved stream in which each process's log lines
+carry its worker id (common.entrypoint.setup_logging), and a crashed child's traceback appears
+just above the supervisor's line about it. Redirect `orchestrator up` itself to keep a log file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from common.config import ClusterConfig
+from common.protocol import ClusterInfo, ClusterInfoRequest
+from common.transport import make_socket, recv, send
+from common.worker_link import EXIT_REFUSED
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSpec:
+    """One process of the cluster: its name in ClusterInfo and the command that starts it."""
+
+    worker_id: str
+    role: str  # orchestrator | context | generation | postproc | frontend
+    argv: tuple[str, ...]
+
+
+def process_specs(config: ClusterConfig, config_path: str | None) -> list[ProcessSpec]:
+    """Every process `orchestrator up` starts, orchestrator first (the others register with it)."""
+    tail = ("--config", config_path) if config_path else ()
+
+    def spec(worker_id: str, role: str, module: str, named: bool = True) -> ProcessSpec:
+        name = ("--worker-id", worker_id) if named else ()
+        return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail))
+
+    specs = [spec("orchestrator", "orchestrator", "orchestrator.main", named=False)]
+    if config.mode == "disaggregated":
+        for i in range(config.context_workers.count):
+            specs.append(spec(f"ctx-{i}", "context", "context_worker.main"))
+    for i in range(config.generation_workers.count):
+        specs.append(spec(f"gen-{i}", "generation", "generation_worker.main"))
+    for i in range(config.postproc_workers.count):
+        specs.append(spec(f"pp-{i}", "postproc", "postproc_worker.main"))
+    for i in range(config.frontend.processes):
+        specs.append(spec(f"fe-{i}", "frontend", "frontend.main"))
+    return specs
+
+
+@dataclass(slots=True)
+class Child:
+    """A supervised process: the current one (None while waiting to restart) and its history."""
+
+    spec: ProcessSpec
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    backoff_s: float = 0.0  # delay before the next restart; doubles per crash, capped
+    restart_at: float | None = None  # monotonic time a crashed child is due to start again
+    num_restarts: int = 0
+    gave_up: bool = False  # exited with EXIT_REFUSED: left down on purpose
+
+
+class Supervisor:
+    """Starts the children, restarts the ones that crash, and stops them all leaving none behind."""
+
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        *,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.children = [Child(spec, backoff_s=backoff_initial_s) for spec in specs]
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+
+    def start(self) -> None:
+        for child in self.children:
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        child.process = subprocess.Popen(
+            child.spec.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
+        )
+        child.started_at = time.monotonic()
+        logger.info("started %s (pid %d)", child.spec.worker_id, child.process.pid)
+
+    def exited(self) -> list[Child]:
+        """Children whose process has ended (during start-up every exit is fatal)."""
+        return [c for c in self.children if c.process is not None and c.process.poll() is not None]
+
+    def poll(self) -> None:
+        """Notice crashed children and start the ones whose backoff has elapsed."""
+        now = time.monotonic()
+        for child in self.exited():
+            self._on_exit(child, now)
+        for child in self.children:
+            if child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.num_restarts += 1
+                self._start(child)
+
+    def _on_exit(self, child: Child, now: float) -> None:
+        assert child.process is not None
+        process, child.process = child.process, None
+        what = f"{child.spec.worker_id} (pid {process.pid}) {describe_exit(process)}"
+        # Refused (duplicate id, protocol version) or misconfigured (argparse): it would only fail
+        # the same way again.
+        if process.returncode == EXIT_REFUSED:
+            child.gave_up = True
+            logger.error("%s: refused or misconfigured, not restarting it (see its output)", what)
+            return
+        uptime_s = now - child.started_at
+        if uptime_s >= self.backoff_max_s:
+            child.backoff_s = self.backoff_initial_s  # it ran a good while: count afresh
+        logger.warning("%s after %.1fs; restarting it in %.0fs", what, uptime_s, child.backoff_s)
+        child.restart_at = now + child.backoff_s
+        child.backoff_s = min(child.backoff_s * 2, self.backoff_max_s)
+
+    def stop(self, timeout_s: float = 8.0) -> None:
+        """SIGTERM every child's process group, wait up to `timeout_s` in all, SIGKILL the rest."""
+        for child in self.children:
+            child.restart_at = None
+        running = [(c.spec.worker_id, c.process) for c in self.children if c.process is not None]
+        for _, process in running:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for worker_id, process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "%s still running %.0fs after SIGTERM: killing it", worker_id, timeout_s
+                )
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        logger.info("stopped %d processes", len(running))
+
+
+def describe_exit(process: subprocess.Popen[bytes]) -> str:
+    """An ended child's status in an operator's words."""
+    if process.returncode < 0:
+        return f"was killed by {signal.Signals(-process.returncode).name}"
+    return f"exited with code {process.returncode}"
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    """The child and whatever it started (start_new_session: its pid is the group id); only while
+    it is unreaped, since a reaped child's pid may already name another process group."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A preexec_fn that has Linux send the child SIGTERM when the supervisor dies, even by SIGKILL.
+
+    PDEATHSIG fires when the forking *thread* ends, so children are started from the main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+# --- readiness ------------------------------------------------------------------------------------
+
+
+def query_cluster_info(address: str, timeout_s: float) -> ClusterInfo | None:
+    """One ClusterInfoRequest to the orchestrator; None when it does not answer in time."""
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
+    try:
+        send(sock, ClusterInfoRequest())
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        reply = recv(sock, f"the orchestrator at {address}")
+        return reply if isinstance(reply, ClusterInfo) else None
+    finally:
+        sock.close()
+
+
+def is_healthy(url: str, timeout_s: float = 1.0) -> bool:
+    """GET url answers 200. Proxies are bypassed: the frontend is on this host or its network."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:  # refused, reset, timed out, or an HTTP error status
+        return False
+
+
+@dataclass(slots=True)
+class StartupReport:
+    """What start-up saw last: enough to print a table, or to say what is missing."""
+
+    missing: list[str]  # expected worker ids not listed as ready
+    info: ClusterInfo | None = None  # the orchestrator's last answer
+    healthy: bool = False  # the frontend's /health answered 200
+    dead: list[Child] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing and self.healthy and not self.dead
+
+
+def wait_until_ready(
+    supervisor: Supervisor,
+    *,
+    expected: list[str],
+    orchestrator_address: str,
+    health_url: str,
+    timeout_s: float,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> StartupReport:
+    """Poll ClusterInfo until every expected worker is ready, then the frontend's /health."""
+    deadline = time.monotonic() + timeout_s
+    report = StartupReport(missing=list(expected))
+    while not should_stop():
+        report.dead = supervisor.exited()
+        if report.dead:
+            return report
+        info = query_cluster_info(orchestrator_address, timeout_s=1.0)
+        if info is not None:
+            report.info = info
+            ready = {w.worker_id for w in info.workers if w.state == "ready"}
+            report.missing = [worker_id for worker_id in expected if worker_id not in ready]
+            report.healthy = not report.missing and is_healthy(health_url)
+            if report.ready:
+                return report
+        if time.monotonic() >= deadline:
+            return report
+        time.sleep(0.2)
+    return report
+
+
+def describe_failure(report: StartupReport, timeout_s: float) -> str:
+    """Why start-up failed, for the operator: who died (its output is above), who never came up."""
+    lines = []
+    for child in report.dead:
+        assert child.process is not None
+        what = f"{child.spec.worker_id} (pid {child.process.pid}) {describe_exit(child.process)}"
+        lines.append(f"{what} during start-up (its output is above)")
+    if not report.dead:
+        lines.append(f"the cluster was not ready after {timeout_s:.0f}s")
+    if report.info is None:
+        lines.append("the orchestrator never answered")
+    elif report.missing:
+        lines.append("not registered or not ready: " + ", ".join(report.missing))
+    elif not report.healthy:
+        lines.append("the frontend's /health did not answer 200")
+    return "\n".join(lines)
+
+
+def format_table(info: ClusterInfo) -> str:
+    """The status table `orchestrator up` prints once the cluster serves."""
+    rows = [("ROLE", "WORKER", "PID", "ADDRESS", "STATE", "BLOCKS USED/TOTAL")]
+    for w in info.workers:
+        blocks = f"{w.blocks_used}/{w.blocks_total}" if w.blocks_total else "-"
+        rows.append((w.role, w.worker_id, str(w.pid), w.address or "-", w.state, blocks))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+# --- `orchestrator up` ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StopRequest:
+    """Set by SIGINT / SIGTERM; the supervisor's loops check it between short sleeps."""
+
+    requested: bool = False
+
+    def install(self) -> None:
+        def handler(signum: int, frame: object) -> None:
+            if not self.requested:
+                logger.info("%s: stopping the cluster", signal.Signals(signum).name)
+            self.requested = True
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def run_cluster(
+    config: ClusterConfig,
+    config_path: str | None,
+    *,
+    ready_timeout_s: float = 300.0,
+) -> int:
+    """Start, wait until serving, print the table, supervise until a signal; 0 on a clean stop."""
+    stop = StopRequest()
+    stop.install()
+    specs = process_specs(config, config_path)
+    supervisor = Supervisor(specs)
+    host = config.frontend.host
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        supervisor.start()
+        report = wait_until_ready(
+            supervisor,
+            expected=[s.worker_id for s in specs if s.role != "orchestrator"],
+            orchestrator_address=config.orchestrator.address,
+            health_url=f"http://{client_host}:{config.frontend.port}/health",
+            timeout_s=ready_timeout_s,
+            should_stop=lambda: stop.requested,
+        )
+        if stop.requested:
+            return 0
+        if not report.ready:
+            print(describe_failure(report, ready_timeout_s), file=sys.stderr)
+            return 1
+        assert report.info is not None
+        print(format_table(report.info))
+        print(f"Serving on http://{host}:{config.frontend.port}/v1", flush=True)
+        while not stop.requested:
+            supervisor.poll()
+            time.sleep(0.2)
+        return 0
+    finally:
+        supervisor.stop()
