@@ -246,7 +246,8 @@ class TokenBatch(_Message, tag="tokens"):
 
 
 class Chunk(_Message, tag="chunk"):
-    """Bytes ready for the client: SSE frames when streaming, the whole JSON body otherwise."""
+    """Bytes ready for the client: SSE frames when streaming, the whole JSON body otherwise.
+    A `status_code` other than 200 makes `data` an error body and ends the request."""
 
     request_id: str
     data: bytes

@@ -101,7 +101,7 @@ class Orchestrator:
         elif isinstance(message, PrefillDone):
             self.on_prefill_done(message, out)
         elif isinstance(message, RequestFinished):
-            self.end(message.request_id)
+            self.on_finished(message)
         elif isinstance(message, RequestFailed):
             self.fail(message.request_id, message, out)
         elif isinstance(message, Abort):
@@ -229,6 +229,17 @@ class Orchestrator:
             self.end(done.request_id)  # the context worker sent the tokens to postproc itself
             return
         self.start_decode(record, done, out)
+
+    def on_finished(self, finished: RequestFinished) -> None:
+        if self.end(finished.request_id) is not None:
+            logger.debug(
+                "%s finished (%s): %d tokens; KV pulled: %d bytes in %.2f ms",
+                finished.request_id,
+                finished.finish_reason,
+                finished.num_output_tokens,
+                finished.transfer_num_bytes,
+                finished.transfer_seconds * 1e3,
+            )
 
     def start_decode(self, record: RequestRecord, prefill: PrefillDone | None, out: Outbox) -> None:
         workers = self.registry.ready("generation")

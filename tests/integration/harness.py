@@ -46,16 +46,23 @@ class Cluster:
         return [w for w in self.info().workers if w.role == role]
 
     def wait_idle(self, timeout_s: float = 10.0) -> ClusterInfo:
-        """The table once every worker reports no request and no used or leased block (heartbeat
-        stats lag by up to one interval); the last table seen if that never happens."""
-        deadline = time.monotonic() + timeout_s
+        """The table once every worker has sent a heartbeat since this call began and reports no
+        request and no used or leased block; the last table seen if that never happens."""
+        start = time.monotonic()
+        deadline = start + timeout_s
         while True:
+            asked_at = time.monotonic()
             info = self.info()
             busy = [
                 w
                 for w in info.workers
                 if w.role != "orchestrator"
-                and (w.blocks_used or w.blocks_leased or w.active_requests)
+                and (
+                    w.last_heartbeat_s >= asked_at - start  # stats from before this call
+                    or w.blocks_used
+                    or w.blocks_leased
+                    or w.active_requests
+                )
             ]
             if not busy or time.monotonic() > deadline:
                 return info

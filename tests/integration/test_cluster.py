@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -45,9 +46,8 @@ def client(cluster: Cluster) -> openai.OpenAI:
 
 
 def complete(cluster: Cluster, prompt: str, **options) -> openai.types.Completion:
-    return client(cluster).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0, **options
-    )
+    options = {"max_tokens": MAX_NEW, "temperature": 0, **options}
+    return client(cluster).completions.create(model=MODEL, prompt=prompt, **options)
 
 
 def test_greedy_completions_match_hf_generate(cluster: Cluster, hf_texts: dict[str, str]) -> None:
@@ -127,3 +127,59 @@ def test_every_kv_block_is_free_or_cached_afterwards(cluster: Cluster) -> None:
         assert worker.active_requests == 0, worker
         assert worker.blocks_total == 512
     assert info.num_requests == 0
+
+
+def test_stop_string_trims_the_text_and_stops_the_generation(
+    cluster: Cluster, hf_texts: dict[str, str]
+) -> None:
+    prompt = TEST_PROMPTS[2]
+    expected = hf_texts[prompt]
+    stop = expected[len(expected) // 2 :][:3]
+    result = complete(cluster, prompt, stop=[stop])
+    assert result.choices[0].text == expected[: expected.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+    assert cluster.wait_idle().num_requests == 0
+
+
+def test_first_token_that_ends_the_request(cluster: Cluster, hf_texts: dict[str, str]) -> None:
+    prompt = TEST_PROMPTS[3]
+    result = complete(cluster, prompt, max_tokens=1)
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 1
+    assert hf_texts[prompt].startswith(result.choices[0].text)
+
+
+def test_n_sampled_choices_with_logprobs(cluster: Cluster) -> None:
+    result = client(cluster).completions.create(
+        model=MODEL,
+        prompt=TEST_PROMPTS[4],
+        max_tokens=8,
+        temperature=0.9,
+        seed=3,
+        n=3,
+        logprobs=2,
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    for choice in result.choices:
+        assert choice.finish_reason in ("length", "stop")
+        assert 1 <= len(choice.logprobs.tokens) <= 8
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert result.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in result.choices)
+
+
+def test_client_that_disconnects_mid_stream_frees_its_blocks(cluster: Cluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": TEST_PROMPTS[5] * 4,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{cluster.base_url}/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    info = cluster.wait_idle()
+    assert info.num_requests == 0
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
