@@ -1,5 +1,6 @@
-"""What every process's `main.py` does first: read its arguments and cluster.yaml, set up logging,
-and turn SIGTERM / SIGINT into a flag its loop checks, so shutdown frees what the process holds."""
+"""What every process's `main.py` does: read its arguments and cluster.yaml, set up logging, turn
+SIGTERM / SIGINT into a flag its loop checks (so shutdown frees what the process holds), and, for
+workers, register and run the step loop."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
 
 from common.config import ClusterConfig, load_cluster_config
+from common.protocol import Registered
+from common.worker_link import OrchestratorLink
+
+logger = logging.getLogger(__name__)
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> tuple[ClusterConfig, str]:
@@ -38,3 +47,38 @@ def stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
+
+
+class Worker(Protocol):
+    link: OrchestratorLink
+
+    def on_registered(self, registered: Registered) -> None: ...
+
+    def step(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_worker(
+    description: str,
+    make_worker: Callable[[ClusterConfig, str, zmq.Context], Worker],
+    argv: list[str] | None = None,
+) -> None:
+    """A worker process: build it, register, step until SIGTERM / SIGINT, release everything."""
+    config, worker_id = parse_args(description, argv)
+    setup_logging(worker_id)
+    stop = stop_on_signals()
+    context = zmq.Context()
+    worker = make_worker(config, worker_id, context)
+    try:
+        registered = worker.link.register(stop)
+        if registered is None:
+            return
+        worker.on_registered(registered)
+        logger.info("registered with the orchestrator at %s", config.orchestrator.address)
+        while not stop.is_set():
+            worker.step()
+    finally:
+        worker.close()
+        context.term()
+        logger.info("stopped")

@@ -22,6 +22,7 @@ from common.protocol import (
     PrefillDone,
     PrefillRequest,
     Register,
+    Registered,
     RequestFailed,
     TokenBatch,
     TokenDelta,
@@ -32,7 +33,7 @@ from common.worker_link import OrchestratorLink, PushSockets
 from context_worker.leases import LeaseTable
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
-from engine.serving import engine_config, extra_keys, to_delta, worker_stats
+from engine.serving import configure_torch, engine_config, extra_keys, to_delta, worker_stats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ IDLE_POLL_MS = 5  # NIXL notifications do not wake a zmq poll: bound their laten
 class ContextWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.worker_id = worker_id
+        configure_torch(config)
         workers = config.context_workers
         self.engine = LLMEngine(
             engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
@@ -71,6 +73,9 @@ class ContextWorker:
 
     def stats(self) -> WorkerStats:
         return worker_stats(self.engine, len(self.prefilling) + len(self.leases))
+
+    def on_registered(self, registered: Registered) -> None:
+        pass  # context workers need nothing from their peers
 
     def step(self) -> None:
         if not self.engine.has_unfinished():

@@ -35,7 +35,7 @@ from common.protocol import (
 from common.worker_link import OrchestratorLink, PushSockets
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
-from engine.serving import engine_config, extra_keys, to_delta, worker_stats
+from engine.serving import configure_torch, engine_config, extra_keys, to_delta, worker_stats
 from generation_worker.pulls import Pull, plan_read
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class GenerationWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.worker_id = worker_id
         self.config = config
+        configure_torch(config)
         workers = config.generation_workers
         self.engine = LLMEngine(
             engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
@@ -97,6 +98,9 @@ class GenerationWorker:
         stats.kv_bytes_pulled = self.kv_bytes_pulled
         stats.kv_pull_seconds = self.kv_pull_seconds
         return stats
+
+    def on_registered(self, registered: Registered) -> None:
+        self.sync_peers(registered.peers)
 
     def step(self) -> None:
         if not (self.engine.has_unfinished() or self.pulls or self.waiting):

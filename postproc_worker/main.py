@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
-import zmq
-
-from common.entrypoint import parse_args, setup_logging, stop_on_signals
+from common.entrypoint import run_worker
 from postproc_worker.worker import PostprocWorker
-
-logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, worker_id = parse_args("Post-processing worker", argv)
-    setup_logging(worker_id)
-    stop = stop_on_signals()
-    context = zmq.Context()
-    worker = PostprocWorker(config, worker_id, context)
-    try:
-        if worker.link.register(stop) is None:
-            return
-        logger.info("registered; receiving tokens at %s", worker.address)
-        while not stop.is_set():
-            worker.step()
-    finally:
-        worker.close()
-        context.term()
-    logger.info("stopped")
+    run_worker("Post-processing worker", PostprocWorker, argv)
 
 
 if __name__ == "__main__":

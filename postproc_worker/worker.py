@@ -20,6 +20,7 @@ from common.protocol import (
     Abort,
     Chunk,
     Register,
+    Registered,
     TokenBatch,
     WorkerStats,
 )
@@ -61,6 +62,9 @@ class PostprocWorker:
 
     def stats(self) -> WorkerStats:
         return WorkerStats(active_requests=len(self.requests))
+
+    def on_registered(self, registered: Registered) -> None:
+        logger.info("receiving tokens at %s", self.address)
 
     def step(self) -> None:
         self.poller.poll(POLL_MS)
