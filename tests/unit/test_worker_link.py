@@ -1,0 +1,107 @@
+"""A worker's link to the orchestrator over real loopback sockets: registration, refusal,
+re-registration after an orchestrator restart, and malformed frames dropped with a log line."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    WorkerStats,
+    decode,
+    encode,
+)
+from common.transport import bind_random_port, make_socket, recv, send_to
+from common.worker_link import EXIT_REFUSED, OrchestratorLink
+
+TIMEOUT_MS = 5000
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Socket, str]]:
+    context = zmq.Context()
+    sock = make_socket(context, zmq.ROUTER)
+    address = bind_random_port(sock, "127.0.0.1")
+    yield sock, address
+    sock.close()
+    context.term()
+
+
+def make_link(address: str) -> OrchestratorLink:
+    register = Register(
+        worker_id="gen-0", role="generation", protocol_version=PROTOCOL_VERSION, pid=1
+    )
+    return OrchestratorLink(zmq.Context.instance(), address, register, 0.01, WorkerStats)
+
+
+def answer_registration(router: zmq.Socket, reply: object) -> threading.Thread:
+    def serve() -> None:
+        assert router.poll(TIMEOUT_MS)
+        identity, frame = router.recv_multipart()
+        assert identity == b"gen-0" and isinstance(decode(frame), Register)
+        send_to(router, identity, reply)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_registration_returns_the_orchestrators_answer(router) -> None:
+    sock, address = router
+    thread = answer_registration(sock, Registered(postproc_addresses=["tcp://127.0.0.1:1"]))
+    link = make_link(address)
+    registered = link.register(threading.Event(), timeout_s=10)
+    thread.join(10)
+    assert registered == Registered(postproc_addresses=["tcp://127.0.0.1:1"])
+    link.socket.close()
+
+
+def test_refused_registration_exits_with_the_no_restart_code(router, caplog) -> None:
+    sock, address = router
+    thread = answer_registration(sock, Refused(reason="protocol version 9, orchestrator 1"))
+    link = make_link(address)
+    with pytest.raises(SystemExit) as exited, caplog.at_level(logging.ERROR):
+        link.register(threading.Event(), timeout_s=10)
+    thread.join(10)
+    assert exited.value.code == EXIT_REFUSED
+    assert "protocol version 9" in caplog.text
+    link.socket.close()
+
+
+def test_register_again_resends_the_registration(router) -> None:
+    sock, address = router
+    link = make_link(address)
+    link.heartbeat_if_due()
+    assert sock.poll(TIMEOUT_MS)
+    identity, frame = sock.recv_multipart()
+    assert isinstance(decode(frame), Heartbeat)
+    send_to(sock, identity, RegisterAgain())
+    assert link.socket.poll(TIMEOUT_MS)
+    assert link.receive() == []  # handled inside the link
+    assert sock.poll(TIMEOUT_MS)
+    assert isinstance(decode(sock.recv_multipart()[1]), Register)
+    link.socket.close()
+
+
+def test_malformed_frames_are_dropped_with_a_log_line(router, caplog) -> None:
+    sock, address = router
+    dealer = make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
+    dealer.send(b"\xc1 not msgpack")
+    dealer.send(encode(Heartbeat(worker_id="ok")))
+    with caplog.at_level(logging.WARNING):
+        assert sock.poll(TIMEOUT_MS)
+        assert recv(sock, "a test peer") is None
+        assert sock.poll(TIMEOUT_MS)
+        assert recv(sock, "a test peer") == Heartbeat(worker_id="ok")
+    assert "dropped a malformed message from a test peer" in caplog.text
+    dealer.close()
