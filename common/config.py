@@ -26,7 +26,9 @@ class FrontendConfig(_Section):
     processes: Positive = (
         1  # several processes share the port, so one event loop is not the ceiling
     )
-    api_key: str | None = None
+    api_key: str | None = None  # when set, every route but /health needs `Bearer <api_key>`
+    max_body_bytes: Positive = 8 * 1024 * 1024  # larger request bodies get a 413
+    allow_request_chat_template: bool = False  # may a request bring its own chat_template?
 
 
 class OrchestratorConfig(_Section):

@@ -52,13 +52,15 @@ def decode_token_ids(b64: str) -> list[int]:
 
 
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """How the postproc worker turns this request's tokens into OpenAI chunks."""
+    """How the postproc worker turns this request's tokens into OpenAI (or Anthropic) bytes."""
 
-    kind: Literal["completion", "chat"] = "completion"
+    kind: Literal["completion", "chat", "anthropic"] = "completion"
     model: str = ""
     created: int = 0
     stream: bool = False
     include_usage: bool = False
+    response_id: str = ""  # the id the client sees, when it is not the request id (prompt lists)
+    index_offset: int = 0  # added to choice indexes: prompt i of a list starts at i * n
     echo_prompt: str | None = None  # completion echo: the prompt text to prepend
     stop: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True

@@ -1,30 +1,42 @@
-"""The HTTP surface (starlette): validate, translate, hand the request to the cluster, relay
-the postproc workers' bytes. Errors all have the one OpenAI shape (`common.errors.error_body`).
+"""The HTTP surface (starlette): validate, translate, hand the request to the cluster, relay the
+postproc workers' bytes. Every error has the one OpenAI shape (`common.errors.error_body`).
+Literal routes only; an API key (when configured) guards everything but /health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import importlib.metadata
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ClusterConfig
-from common.errors import InvalidRequest, error_body
-from common.protocol import Chunk, GenerateRequest, RequestFailed
+from common.errors import InvalidRequest
+from common.protocol import Chunk, GenerateRequest, OutputOptions, encode_token_ids
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer, load_tokenizer, resolve_model_dir
-from frontend.cluster_client import ClusterClient, Event
-from frontend.completions import CompletionRequest, to_generate_request
+from frontend import anthropic, chat, completions
+from frontend.cluster_client import ClusterClient
+from frontend.generation import error_response, serve
+from frontend.openapi import openapi_document
+from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HEALTH_TIMEOUT_S = 1.0
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -33,6 +45,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    created: int
 
 
 def load_model_info(config: ClusterConfig) -> ModelInfo:
@@ -43,68 +56,145 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         tokenizer=load_tokenizer(model_dir),
         max_model_len=int(hf_config["max_position_embeddings"]),
         vocab_size=int(hf_config["vocab_size"]),
+        created=int(time.time()),
     )
 
 
-def error_response(
-    status_code: int, message: str, param: str | None = None, code: str | None = None
-) -> Response:
-    return Response(
-        error_body(status_code, message, param, code), status_code, media_type="application/json"
-    )
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; /health stays open for probes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "a valid API key is required", code="invalid_api_key"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) -> Starlette:
     needed_roles = {"generation", "postproc"} | (
         {"context"} if config.mode == "disaggregated" else set()
     )
+    max_body = config.frontend.max_body_bytes
 
-    async def completions(request: Request) -> Response:
+    async def decode_body(request: Request, schema: type[T]) -> T:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise HTTPException(413, f"the request body is over {max_body} bytes")
+        body = await request.body()
+        if len(body) > max_body:
+            raise HTTPException(413, f"the request body is over {max_body} bytes")
         try:
-            body = msgspec.json.decode(await request.body(), type=CompletionRequest)
+            return msgspec.json.decode(body, type=schema)
         except msgspec.ValidationError as e:
-            return error_response(400, str(e), _param_of(str(e)))
+            raise InvalidRequest(str(e), _param_of(str(e))) from None
         except msgspec.DecodeError as e:
-            return error_response(400, f"the body is not valid JSON: {e}")
-        if body.model != model.name:
-            return error_response(
-                404, f"the model {body.model!r} does not exist", "model", "model_not_found"
-            )
-        try:
-            generate = await asyncio.to_thread(
-                to_generate_request,
-                body,
-                model.tokenizer,
-                model.max_model_len,
-                model.vocab_size,
-                client.reply_to,
-            )
-        except InvalidRequest as e:
-            return error_response(400, e.message, e.param)
-        return await serve(request, generate)
+            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
 
-    async def serve(request: Request, generate: GenerateRequest) -> Response:
-        request_id = generate.request_id
-        queue = await client.submit(generate)
-        first = await _next_or_disconnect(queue, request)
-        if first is None:
-            client.abort(request_id)
-            return Response(status_code=499)
-        failure = _failure(first)
-        if failure is not None:
-            client.done(request_id)
-            return failure
-        assert isinstance(first, Chunk)
-        if not generate.output.stream:
-            client.done(request_id)
-            return Response(first.data, media_type="application/json")
-        if first.done:
-            client.done(request_id)
-        return StreamingResponse(
-            _relay(client, request_id, first, queue),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise _NotFound(f"the model {name!r} does not exist", "model", "model_not_found")
+
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        """Tokenizing and template rendering run in a thread: the loop only orchestrates."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def create_completion(request: Request) -> Response:
+        body = await decode_body(request, completions.CompletionRequest)
+        check_model(body.model)
+        generates = await off_loop(
+            completions.to_generate_requests,
+            body,
+            model.tokenizer,
+            model.max_model_len,
+            model.vocab_size,
+            client.reply_to,
         )
+        return await serve(request, client, generates)
+
+    async def create_chat_completion(request: Request) -> Response:
+        body = await decode_body(request, chat.ChatCompletionRequest)
+        check_model(body.model)
+        generate = await off_loop(
+            chat.to_generate_request,
+            body,
+            model.tokenizer,
+            model.max_model_len,
+            model.vocab_size,
+            client.reply_to,
+            config.frontend.allow_request_chat_template,
+        )
+        return await serve(request, client, [generate])
+
+    async def create_message(request: Request) -> Response:
+        body = await decode_body(request, anthropic.MessagesRequest)
+        check_model(body.model)
+        generate = await off_loop(
+            anthropic.to_generate_request,
+            body,
+            model.tokenizer,
+            model.max_model_len,
+            model.vocab_size,
+            client.reply_to,
+        )
+        return await serve(request, client, [generate], media="anthropic")
+
+    async def count_message_tokens(request: Request) -> Response:
+        body = await decode_body(request, anthropic.CountTokensRequest)
+        check_model(body.model)
+        return _json(
+            {"input_tokens": await off_loop(anthropic.count_tokens, body, model.tokenizer)}
+        )
+
+    async def list_models(request: Request) -> Response:
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "pdcluster",
+            "max_model_len": model.max_model_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def version(request: Request) -> Response:
+        return _json({"version": importlib.metadata.version("pdcluster")})
+
+    async def tokenize(request: Request) -> Response:
+        body = await decode_body(request, TokenizeRequest)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            as_chat = chat.ChatCompletionRequest(
+                model=model.name,
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            rendered = await off_loop(
+                chat.render_chat, as_chat, model.tokenizer, model.tokenizer.chat_template
+            )
+            text = rendered.prompt_text
+        else:
+            text = body.prompt or ""
+        tokens = await off_loop(model.tokenizer.encode, text)
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len})
+
+    async def detokenize(request: Request) -> Response:
+        body = await decode_body(request, DetokenizeRequest)
+        check_model(body.model)
+        if any(not 0 <= t < model.vocab_size for t in body.tokens):
+            raise InvalidRequest(f"token ids must be in [0, {model.vocab_size})", "tokens")
+        text = await off_loop(model.tokenizer.decode, body.tokens, False)
+        return _json({"prompt": text})
 
     async def health(request: Request) -> Response:
         info = await client.cluster_info(HEALTH_TIMEOUT_S)
@@ -116,11 +206,30 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             return error_response(503, f"no live {', '.join(missing)} worker", code="unhealthy")
         return Response(status_code=200)
 
+    async def health_generate(request: Request) -> Response:
+        """A one-token request through the whole path: the strongest liveness check."""
+        probe = _probe_request(model, client.reply_to)
+        queue = await client.submit(probe)
+        try:
+            event = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            client.abort(probe.request_id)
+            return error_response(
+                503, "a one-token request did not finish in time", code="unhealthy"
+            )
+        client.done(probe.request_id)
+        if not isinstance(event, Chunk) or event.status_code != 200:
+            return error_response(503, "a one-token request failed", code="unhealthy")
+        return Response(status_code=200)
+
     async def cluster_info(request: Request) -> Response:
         info = await client.cluster_info(HEALTH_TIMEOUT_S)
         if info is None:
             return error_response(503, "the orchestrator does not answer", code="unhealthy")
         return Response(msgspec.json.encode(info), media_type="application/json")
+
+    async def openapi(request: Request) -> Response:
+        return _json(openapi_document())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -131,68 +240,81 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             await client.close()
 
     routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
         Route("/cluster_info", cluster_info, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            InvalidRequest: _invalid_request,
+            HTTPException: _http_exception,
+            Exception: _server_error,
+        },
+    )
+    if config.frontend.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.frontend.api_key)
+    return app
 
 
-def _failure(event: Event) -> Response | None:
-    if isinstance(event, RequestFailed):
-        return error_response(event.status_code, event.message, event.param, event.code)
-    if event.status_code != 200:
-        return Response(event.data, event.status_code, media_type="application/json")
-    return None
+class _NotFound(InvalidRequest):
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message, param)
+        self.code = code
 
 
-async def _relay(
-    client: ClusterClient, request_id: str, first: Chunk, queue: asyncio.Queue[Event]
-) -> AsyncIterator[bytes]:
-    """SSE bytes until the request is done; an error after the stream started is sent as a final
-    `data: {"error": ...}` frame and [DONE]. A client that leaves aborts the request."""
-    finished = False
-    try:
-        event: Event = first
-        while True:
-            if isinstance(event, RequestFailed) or event.status_code != 200:
-                body = (
-                    error_body(event.status_code, event.message, event.param, event.code)
-                    if isinstance(event, RequestFailed)
-                    else event.data
-                )
-                finished = True
-                yield b"data: " + body + b"\n\ndata: [DONE]\n\n"
-                return
-            if event.data:
-                yield event.data
-            if event.done:
-                finished = True
-                return
-            event = await queue.get()
-    finally:
-        if finished:
-            client.done(request_id)
-        else:
-            client.abort(request_id)
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, InvalidRequest)
+    if isinstance(exc, _NotFound):
+        return error_response(404, exc.message, exc.param, exc.code)
+    return error_response(400, exc.message, exc.param)
 
 
-async def _next_or_disconnect(queue: asyncio.Queue[Event], request: Request) -> Event | None:
-    """The request's next event, or None if the client disconnects first."""
-    get = asyncio.ensure_future(queue.get())
-    disconnect = asyncio.ensure_future(_disconnected(request))
-    done, pending = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    return get.result() if get in done else None
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(404, f"no route {request.url.path}", code="not_found")
+    if exc.status_code == 405:
+        return error_response(405, f"{request.method} is not allowed on {request.url.path}")
+    if exc.status_code == 413:
+        return error_response(413, str(exc.detail), code="request_too_large")
+    return error_response(exc.status_code, str(exc.detail))
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, "internal error", code="internal_error")
+
+
+def _json(payload: object) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
+
+
+def _probe_request(model: ModelInfo, reply_to: str) -> GenerateRequest:
+    prompt_b64 = encode_token_ids(model.tokenizer.encode("ok") or [0])
+    return GenerateRequest(
+        request_id=completions.new_request_id("health"),
+        prompt_token_ids_b64=prompt_b64,
+        sampling=SamplingParams(max_tokens=1, temperature=0.0),
+        output=OutputOptions(model=model.name, prompt_token_ids_b64=prompt_b64),
+        reply_to=reply_to,
+    )
 
 
 def _param_of(message: str) -> str | None:
-    """msgspec ends its messages with `- at `$.field``: that field is the param."""
+    """msgspec ends its messages with `- at `$.field``, or names an unknown field in backticks."""
     _, sep, where = message.rpartition(" - at `$.")
-    return where.rstrip("`").split("[")[0] if sep else None
+    if sep:
+        return where.rstrip("`").split("[")[0]
+    if message.startswith("Object contains unknown field `"):
+        return message.split("`")[1]
+    return None

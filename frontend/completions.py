@@ -1,24 +1,28 @@
-"""POST /v1/completions: the request body, and its translation into a GenerateRequest.
-
-The body is decoded strictly (unknown fields are a 400, as the frontend issue requires); the
-defaults are OpenAI's. The frontend issue widens this to the full surface (prompt lists, base64
-ids, best_of, ...).
-"""
+"""POST /v1/completions: the request body, its prompt forms, and the translation into one
+GenerateRequest per prompt (a list of prompts fans out; the frontend merges the answers)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated
+from typing import Any
 
 import msgspec
 
 from common.errors import InvalidRequest
-from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
+from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
-
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+from frontend.sampling import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    check_logprobs,
+    logit_bias,
+    max_tokens_for,
+    stop_list,
+    validated,
+)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -27,11 +31,13 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
-    prompt: str | list[NonNegative]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    prompt: str | list[Any] | None = None  # a string, strings, token ids, or lists of ids
+    suffix: str | None = None  # not supported: a 400 when set
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
     n: int = 1
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -40,6 +46,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions, as in vLLM
     top_k: int = 0
@@ -51,75 +58,117 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
     priority: int = 0
+    prompt_token_ids_b64: str | None = None  # base64 of little-endian int32 ids, instead of prompt
 
 
 def new_request_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def to_generate_request(
+def prompt_list(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[list[int], str]]:
+    """Every prompt as (token ids, text for echo)."""
+    if (body.prompt is None) == (body.prompt_token_ids_b64 is None):
+        raise InvalidRequest("give exactly one of prompt and prompt_token_ids_b64", "prompt")
+    if body.prompt_token_ids_b64 is not None:
+        try:
+            ids = decode_token_ids(body.prompt_token_ids_b64)
+        except ValueError as e:
+            raise InvalidRequest(f"prompt_token_ids_b64: {e}", "prompt_token_ids_b64") from None
+        return [(ids, tokenizer.decode(ids, skip_special_tokens=False))]
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [(tokenizer.encode(prompt), prompt)]
+    assert isinstance(prompt, list)
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [(tokenizer.encode(p), p) for p in prompt]
+    if prompt and all(_is_id(t) for t in prompt):
+        return [(list(prompt), tokenizer.decode(prompt, skip_special_tokens=False))]
+    if prompt and all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        return [(list(p), tokenizer.decode(p, skip_special_tokens=False)) for p in prompt]
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of lists of "
+        "token ids (none empty)",
+        "prompt",
+    )
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def to_generate_requests(
     body: CompletionRequest,
     tokenizer: Tokenizer,
     max_model_len: int,
     vocab_size: int,
     reply_to: str,
-) -> GenerateRequest:
+) -> list[GenerateRequest]:
     """Validate and translate; raises InvalidRequest naming the parameter."""
+    if body.suffix is not None:
+        raise InvalidRequest("suffix is not supported", "suffix")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-    prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    if not prompt:
-        raise InvalidRequest("the prompt is empty", "prompt")
-    if max(prompt) >= vocab_size:
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = SamplingParams(
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-        logprobs=body.logprobs,
-        stop=stop,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        max_tokens=body.max_tokens,
-        min_tokens=body.min_tokens,
-        skip_special_tokens=body.skip_special_tokens,
-    )
-    sampling.validate(vocab_size)
-    if len(prompt) + body.max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{len(prompt)} tokens and max_tokens is {body.max_tokens} "
-            f"({len(prompt) + body.max_tokens} in total)",
-            "max_tokens",
+    if body.best_of is not None and body.best_of < body.n:
+        raise InvalidRequest(f"best_of ({body.best_of}) must be >= n ({body.n})", "best_of")
+    check_logprobs(body.logprobs, "logprobs")
+    prompts = prompt_list(body, tokenizer)
+    bias = logit_bias(body.logit_bias, vocab_size)
+    stops = stop_list(body.stop)
+    created = int(time.time())
+    request_id = new_request_id()
+    requests = []
+    for i, (prompt, text) in enumerate(prompts):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if max(prompt) >= vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        sampling = validated(
+            SamplingParams(
+                n=body.n,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                seed=body.seed,
+                logprobs=body.logprobs,
+                logit_bias=bias,
+                stop=stops,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
+                min_tokens=body.min_tokens,
+                skip_special_tokens=body.skip_special_tokens,
+            ),
+            vocab_size,
         )
-    prompt_b64 = encode_token_ids(prompt)
-    output = OutputOptions(
-        kind="completion",
-        model=body.model,
-        created=int(time.time()),
-        stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        echo_prompt=(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt))
-        if body.echo
-        else None,
-        stop=stop,
-        skip_special_tokens=body.skip_special_tokens,
-        prompt_token_ids_b64=prompt_b64,
-    )
-    return GenerateRequest(
-        request_id=new_request_id(),
-        prompt_token_ids_b64=prompt_b64,
-        sampling=sampling,
-        output=output,
-        reply_to=reply_to,
-        cache_salt=body.cache_salt,
-        priority=body.priority,
-        arrival_time=time.time(),
-    )
+        prompt_b64 = encode_token_ids(prompt)
+        output = OutputOptions(
+            kind="completion",
+            model=body.model,
+            created=created,
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            echo_prompt=text if body.echo else None,
+            response_id=request_id,
+            index_offset=i * body.n,
+            stop=stops,
+            skip_special_tokens=body.skip_special_tokens,
+            prompt_token_ids_b64=prompt_b64,
+        )
+        requests.append(
+            GenerateRequest(
+                # one id per prompt inside the cluster; the client sees the first (merged answer)
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                prompt_token_ids_b64=prompt_b64,
+                sampling=sampling,
+                output=output,
+                reply_to=reply_to,
+                cache_salt=body.cache_salt,
+                priority=body.priority,
+                arrival_time=time.time(),
+            )
+        )
+    return requests

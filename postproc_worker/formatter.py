@@ -2,6 +2,8 @@
 
     TokenDelta (one choice) ──▶ detokenizer ──▶ stop strings ──▶ [parser hook] ──▶ chunk / body
 
+Kind "anthropic" shares everything up to the text; `anthropic_format` shapes its bytes.
+
 A `RequestState` lives in the postproc worker from the request's first TokenBatch until `done`.
 Each `add(delta)` returns the bytes to push to the frontend, whether the request is done, and
 whether the engine must be told to stop (a stop string matched while it was still decoding: send
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from common.anthropic_schema import Usage as AnthropicUsage
 from common.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,6 +38,7 @@ from common.openai_schema import (
 )
 from common.protocol import GenerateRequest, TokenDelta, decode_token_ids
 from common.tokenizer import Tokenizer
+from postproc_worker import anthropic_format
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.stop_strings import StopStringMatcher
 
@@ -46,11 +50,17 @@ _json = msgspec.json.Encoder()
 
 @dataclass(slots=True)
 class StepOutput:
-    """What to do after a delta: push `data` (if any), drop the request, abort upstream."""
+    """What to do after a delta: push `data` (if any), drop the request, abort upstream.
+
+    `ending` is the tail of `data` that closes the response (the usage chunk and [DONE], or the
+    whole body): the worker sends it as the request's last Chunk, apart from the text before it,
+    so that a frontend merging several prompts' streams can find and merge the endings.
+    """
 
     data: bytes = b""
     done: bool = False
     abort_upstream: bool = False
+    ending: bytes = b""
 
 
 @dataclass(slots=True)
@@ -81,8 +91,15 @@ class RequestState:
     def __init__(self, request: GenerateRequest, tokenizer: Tokenizer) -> None:
         options = request.output
         self.request_id = request.request_id
+        self._response_id = options.response_id or request.request_id  # what the client sees
+        self._index_offset = options.index_offset
         self._tokenizer = tokenizer
         self._chat = options.kind == "chat"
+        self._anthropic = (  # None: an OpenAI kind
+            anthropic_format.AnthropicRenderer(request.request_id, options.model)
+            if options.kind == "anthropic"
+            else None
+        )
         self._stream = options.stream
         self._include_usage = options.include_usage
         self._model = options.model
@@ -129,9 +146,9 @@ class RequestState:
         self.done = all(c.finish_reason is not None for c in self.choices)
         if not self.done:
             return StepOutput(data)
-        data += self._final_frames() if self._stream else self._final_body()
+        ending = self._final_frames() if self._stream else self._final_body()
         abort = not all(c.engine_finished for c in self.choices)
-        return StepOutput(data, done=True, abort_upstream=abort)
+        return StepOutput(data + ending, done=True, abort_upstream=abort, ending=ending)
 
     # --- tokens -> text ---------------------------------------------------------------------------
 
@@ -168,13 +185,17 @@ class RequestState:
     # --- streaming --------------------------------------------------------------------------------
 
     def _stream_frames(self, choice: ChoiceState, text: str) -> bytes:
+        if self._anthropic is not None:
+            return self._anthropic.stream_frames(text, self._anthropic_usage())
         frames = b""
         if not choice.started:
             choice.started = True
             if self._chat:
                 role = DeltaMessage(role="assistant", content="")
                 frames += self._sse(
-                    self._chat_chunk(ChatChunkChoice(index=choice.index, delta=role))
+                    self._chat_chunk(
+                        ChatChunkChoice(index=choice.index + self._index_offset, delta=role)
+                    )
                 )
             else:
                 text = self._echo + text
@@ -183,14 +204,14 @@ class RequestState:
         records, choice.logprobs = choice.logprobs, []
         if self._chat:
             chat_choice = ChatChunkChoice(
-                index=choice.index,
+                index=choice.index + self._index_offset,
                 delta=self._delta_message(choice, text),
                 logprobs=self._chat_logprobs(records) if records else None,
                 finish_reason=choice.finish_reason,
             )
             return frames + self._sse(self._chat_chunk(chat_choice))
         completion_choice = CompletionChoice(
-            index=choice.index,
+            index=choice.index + self._index_offset,
             text=text,
             logprobs=self._completion_logprobs(records),
             finish_reason=choice.finish_reason,
@@ -202,6 +223,11 @@ class RequestState:
         return DeltaMessage(content=text) if text else DeltaMessage()
 
     def _final_frames(self) -> bytes:
+        if self._anthropic is not None:
+            choice = self.choices[0]
+            return self._anthropic.end_frames(
+                choice.finish_reason, choice.stop.matched, self._anthropic_usage()
+            )
         frames = b""
         if self._include_usage:
             usage = self._usage()
@@ -215,7 +241,7 @@ class RequestState:
         self, choice: CompletionChoice | None, usage: Usage | None = None
     ) -> Completion:
         return Completion(
-            id=self.request_id,
+            id=self._response_id,
             created=self._created,
             model=self._model,
             choices=[choice] if choice is not None else [],
@@ -226,7 +252,7 @@ class RequestState:
         self, choice: ChatChunkChoice | None, usage: Usage | None = None
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.request_id,
+            id=self._response_id,
             created=self._created,
             model=self._model,
             choices=[choice] if choice is not None else [],
@@ -244,10 +270,16 @@ class RequestState:
     # --- non-streaming ----------------------------------------------------------------------------
 
     def _final_body(self) -> bytes:
+        if self._anthropic is not None:
+            choice = self.choices[0]
+            text = "".join(choice.text_parts)
+            return self._anthropic.body(
+                text, choice.finish_reason, choice.stop.matched, self._anthropic_usage()
+            )
         if self._chat:
             return _json.encode(
                 ChatCompletion(
-                    id=self.request_id,
+                    id=self._response_id,
                     created=self._created,
                     model=self._model,
                     choices=[self._chat_choice(c) for c in self.choices],
@@ -256,12 +288,12 @@ class RequestState:
             )
         return _json.encode(
             Completion(
-                id=self.request_id,
+                id=self._response_id,
                 created=self._created,
                 model=self._model,
                 choices=[
                     CompletionChoice(
-                        index=c.index,
+                        index=c.index + self._index_offset,
                         text=self._echo + "".join(c.text_parts),
                         logprobs=self._completion_logprobs(c.logprobs),
                         finish_reason=c.finish_reason,
@@ -275,7 +307,7 @@ class RequestState:
     def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
         """Hook for the reasoning / tool-call parsers, like `_delta_message`; content for now."""
         return ChatChoice(
-            index=choice.index,
+            index=choice.index + self._index_offset,
             message=ChatMessage(content="".join(choice.text_parts)),
             logprobs=self._chat_logprobs(choice.logprobs)
             if self._num_logprobs is not None
@@ -290,6 +322,11 @@ class RequestState:
             completion_tokens=completion_tokens,
             total_tokens=self.num_prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+        )
+
+    def _anthropic_usage(self) -> AnthropicUsage:
+        return anthropic_format.usage(
+            self.num_prompt_tokens, self.num_cached_tokens, self.choices[0].num_tokens
         )
 
     # --- logprobs ---------------------------------------------------------------------------------

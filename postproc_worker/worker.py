@@ -92,11 +92,12 @@ class PostprocWorker:
                 self.end(delta.request_id, upstream=True)
                 continue
             address = self.reply_to[delta.request_id]
-            if out.data or out.done:
-                self.push.send(
-                    address, Chunk(request_id=delta.request_id, data=out.data, done=out.done)
-                )
+            text = out.data[: len(out.data) - len(out.ending)]
+            if text:
+                self.push.send(address, Chunk(request_id=delta.request_id, data=text))
             if out.done:
+                ending = Chunk(request_id=delta.request_id, data=out.ending, done=True)
+                self.push.send(address, ending)
                 self.end(delta.request_id, upstream=out.abort_upstream)
 
     def end(self, request_id: str, upstream: bool) -> None:

@@ -16,12 +16,17 @@ from tests.integration.harness import Cluster, stop, wait_healthy, write_config
 def start_cluster(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ) -> Iterator[Callable[..., Cluster]]:
-    """A factory: start_cluster(mode, extra_yaml) -> Cluster; all are stopped after the module."""
+    """A factory: start_cluster(mode, extra_yaml, frontend_yaml) -> Cluster; all are stopped after
+    the module."""
     started: list[tuple[Cluster, list[int]]] = []
 
-    def start(mode: str, extra: str = "") -> Cluster:
+    def start(
+        mode: str, extra: str = "", frontend: str = "", api_key: str | None = None
+    ) -> Cluster:
         tmp = tmp_path_factory.mktemp(f"cluster-{mode}")
-        config_path, port = write_config(tmp / "cluster.yaml", mode, extra)
+        if api_key:
+            frontend = ", ".join(filter(None, [frontend, f"api_key: {api_key}"]))
+        config_path, port = write_config(tmp / "cluster.yaml", mode, extra, frontend)
         log_path = tmp / "cluster.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
@@ -30,7 +35,7 @@ def start_cluster(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        cluster = Cluster(f"http://127.0.0.1:{port}", process, log_path)
+        cluster = Cluster(f"http://127.0.0.1:{port}", process, log_path, api_key)
         started.append((cluster, []))
         wait_healthy(cluster)
         started[-1] = (cluster, [w.pid for w in cluster.info().workers])

@@ -18,7 +18,7 @@ import pytest
 from common.protocol import ClusterInfo
 
 START_TIMEOUT_S = 240.0
-STOP_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0  # what `orchestrator up` promises on SIGTERM
 MODEL = "builtin:tiny"
 
 
@@ -33,13 +33,16 @@ class Cluster:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    api_key: str | None = None
 
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
     def info(self) -> ClusterInfo:
-        with urllib.request.urlopen(f"{self.url}/cluster_info", timeout=5) as response:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(f"{self.url}/cluster_info", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as response:
             return msgspec.json.decode(response.read(), type=ClusterInfo)
 
     def workers(self, role: str) -> list:
@@ -72,12 +75,14 @@ class Cluster:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-def write_config(path: Path, mode: str, extra: str = "") -> tuple[Path, int]:
+def write_config(path: Path, mode: str, extra: str = "", frontend: str = "") -> tuple[Path, int]:
+    """cluster.yaml on free loopback ports; `extra`: more top-level keys, `frontend`: its keys."""
     port = free_port()
+    frontend = f", {frontend}" if frontend else ""
     path.write_text(
         f"model: {MODEL}\n"
         f"mode: {mode}\n"
-        f"frontend: {{host: 127.0.0.1, port: {port}}}\n"
+        f"frontend: {{host: 127.0.0.1, port: {port}{frontend}}}\n"
         f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware,'
         f" worker_timeout_seconds: 5}}\n"
         f"kv_cache: {{block_size: 16, num_blocks: 512}}\n"

@@ -1,0 +1,244 @@
+"""POST /v1/chat/completions: the request body, rendering the conversation with the chat
+template, and the translation into a GenerateRequest.
+
+Tools are passed to the template; tool-call parsing, tool_choice "required" / named tools and
+response_format constraints come with the structured-output issue and are refused with a 400
+that says so until then.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from common.errors import InvalidRequest
+from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+from frontend.chat_template import RenderedPrompt, render
+from frontend.completions import StreamOptions, new_request_id
+from frontend.sampling import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    check_logprobs,
+    logit_bias,
+    max_tokens_for,
+    stop_list,
+    validated,
+)
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+class TextPart(_Strict, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(_Strict, tag_field="type", tag="image_url"):
+    image_url: dict[str, Any]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # extensions, as in vLLM
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+def check_unsupported(body: ChatCompletionRequest, allow_request_template: bool) -> None:
+    if body.chat_template is not None and not allow_request_template:
+        raise InvalidRequest(
+            "a per-request chat_template is not allowed by this server "
+            "(frontend.allow_request_chat_template)",
+            "chat_template",
+        )
+    if isinstance(body.tool_choice, dict) or body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequest(
+            "tool_choice 'required' and named tools need guided decoding, which this server "
+            "does not have yet",
+            "tool_choice",
+        )
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequest(
+            f"response_format {body.response_format.type!r} needs guided decoding, which this "
+            "server does not have yet",
+            "response_format",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    check_logprobs(body.top_logprobs, "top_logprobs")
+    if not body.messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list) and any(
+            isinstance(p, ImagePart) for p in message.content
+        ):
+            raise InvalidRequest("this model takes text only", f"messages[{i}].content")
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect (developer is a system turn)."""
+    out = []
+    for message in messages:
+        record = msgspec.to_builtins(message)
+        if record["role"] == "developer":
+            record["role"] = "system"
+        out.append(record)
+    return out
+
+
+def render_chat(
+    body: ChatCompletionRequest, tokenizer: Tokenizer, default_template: str | None
+) -> RenderedPrompt:
+    source = body.chat_template or default_template
+    if source is None:
+        raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+    special_tokens = {
+        name: tokenizer.id_to_token(token_id) or ""
+        for name, token_id in (
+            ("bos_token", tokenizer.bos_token_id),
+            ("eos_token", tokenizer.eos_token_id),
+        )
+        if token_id is not None
+    }
+    return render(
+        source,
+        template_messages(body.messages),
+        tools=[msgspec.to_builtins(t) for t in body.tools] if body.tools else None,
+        add_generation_prompt=body.add_generation_prompt,
+        special_tokens=special_tokens,
+        template_kwargs=dict(body.chat_template_kwargs or {}),
+    )
+
+
+def to_generate_request(
+    body: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    vocab_size: int,
+    reply_to: str,
+    allow_request_template: bool,
+) -> GenerateRequest:
+    """Validate, render, tokenize and translate; raises InvalidRequest naming the parameter."""
+    check_unsupported(body, allow_request_template)
+    rendered = render_chat(body, tokenizer, tokenizer.chat_template)
+    prompt = tokenizer.encode(rendered.prompt_text)
+    requested = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    sampling = validated(
+        SamplingParams(
+            n=body.n,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            seed=body.seed,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            logit_bias=logit_bias(body.logit_bias, vocab_size),
+            stop=stop_list(body.stop),
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens_for(requested, len(prompt), max_model_len),
+            min_tokens=body.min_tokens,
+            skip_special_tokens=body.skip_special_tokens,
+        ),
+        vocab_size,
+    )
+    prompt_b64 = encode_token_ids(prompt)
+    output = OutputOptions(
+        kind="chat",
+        model=body.model,
+        created=int(time.time()),
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        stop=sampling.stop,
+        skip_special_tokens=body.skip_special_tokens,
+        prompt_token_ids_b64=prompt_b64,
+    )
+    return GenerateRequest(
+        request_id=new_request_id("chatcmpl"),
+        prompt_token_ids_b64=prompt_b64,
+        sampling=sampling,
+        output=output,
+        reply_to=reply_to,
+        cache_salt=body.cache_salt,
+        priority=body.priority,
+        arrival_time=time.time(),
+    )

@@ -1,0 +1,192 @@
+"""Hand GenerateRequests to the cluster and turn what comes back into HTTP responses.
+
+One request: relay the postproc worker's bytes (the whole JSON body, or SSE frames) untouched.
+Several (a completions request with a list of prompts): each sub-request's choices already carry
+their final index and the client's response id (OutputOptions.index_offset / response_id), so
+the streams are interleaved as they come; only the endings are merged: one usage chunk (summed)
+and one [DONE]. Non-streaming bodies are merged choice by choice.
+
+The client going away before its answer aborts every sub-request (the blocks are freed on every
+worker); so does a failure of any one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from common.errors import error_body
+from common.openai_schema import Completion, PromptTokensDetails, Usage
+from common.protocol import Chunk, GenerateRequest, RequestFailed
+from frontend.cluster_client import ClusterClient, Event
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def error_response(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return Response(
+        error_body(status_code, message, param, code), status_code, media_type="application/json"
+    )
+
+
+def failure_response(event: Event) -> Response | None:
+    """The HTTP error an event stands for, or None when it is a normal chunk."""
+    if isinstance(event, RequestFailed):
+        return error_response(event.status_code, event.message, event.param, event.code)
+    if event.status_code != 200:
+        return Response(event.data, event.status_code, media_type="application/json")
+    return None
+
+
+def error_frame(event: Event, media: str) -> bytes:
+    """A failure after the stream started: a final error event (and [DONE] for OpenAI)."""
+    if isinstance(event, RequestFailed):
+        body = error_body(event.status_code, event.message, event.param, event.code)
+    else:
+        body = event.data
+    if media == "anthropic":
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n" + SSE_DONE
+
+
+async def serve(
+    request: Request, client: ClusterClient, generates: list[GenerateRequest], media: str = "openai"
+) -> Response:
+    """Submit, wait for the first events, and answer: an HTTP error, a body, or a stream."""
+    ids = [g.request_id for g in generates]
+    queues = [await client.submit(g) for g in generates]
+    firsts = await _first_events(queues, request)
+    if firsts is None:  # the client left before anything came back
+        for request_id in ids:
+            client.abort(request_id)
+        return Response(status_code=499)
+    for event in firsts:
+        failure = failure_response(event)
+        if failure is not None:
+            for request_id in ids:
+                client.abort(request_id)
+            return failure
+    chunks: list[Chunk] = [e for e in firsts if isinstance(e, Chunk)]
+    if not generates[0].output.stream:
+        for request_id in ids:
+            client.done(request_id)
+        body = chunks[0].data if len(chunks) == 1 else merge_bodies([c.data for c in chunks])
+        return Response(body, media_type="application/json")
+    return StreamingResponse(
+        _relay(client, ids, chunks, queues, media),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+async def _first_events(queues: list[asyncio.Queue[Event]], request: Request) -> list[Event] | None:
+    """Each queue's first event, or None if the client disconnects first."""
+    gather = asyncio.ensure_future(asyncio.gather(*(q.get() for q in queues)))
+    disconnect = asyncio.ensure_future(_disconnected(request))
+    done, pending = await asyncio.wait({gather, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return gather.result() if gather in done else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _relay(
+    client: ClusterClient,
+    ids: list[str],
+    firsts: list[Chunk],
+    queues: list[asyncio.Queue[Event]],
+    media: str,
+) -> AsyncIterator[bytes]:
+    """SSE bytes until every sub-request is done. A failure sends a final error frame; a client
+    that leaves (the generator is closed) aborts what is still running."""
+    open_ids = set(ids)
+    finals: list[bytes] = []
+    merged: asyncio.Queue[tuple[str, Event]] = asyncio.Queue()
+    pumps = [
+        asyncio.create_task(_pump(request_id, first, queue, merged))
+        for request_id, first, queue in zip(ids, firsts, queues, strict=True)
+    ]
+    try:
+        while open_ids:
+            request_id, event = await merged.get()
+            if failure_response(event) is not None:
+                yield error_frame(event, media)
+                return
+            assert isinstance(event, Chunk)
+            if not event.done:
+                yield event.data
+                continue
+            open_ids.discard(request_id)
+            client.done(request_id)
+            if len(ids) == 1:
+                yield event.data
+            else:
+                finals.append(event.data)
+        if finals:
+            yield merge_stream_endings(finals)
+    finally:
+        for task in pumps:
+            task.cancel()
+        for request_id in open_ids:
+            client.abort(request_id)
+
+
+async def _pump(
+    request_id: str,
+    first: Chunk,
+    queue: asyncio.Queue[Event],
+    out: asyncio.Queue[tuple[str, Event]],
+) -> None:
+    event: Event = first
+    while True:
+        out.put_nowait((request_id, event))
+        if isinstance(event, RequestFailed) or event.done:
+            return
+        event = await queue.get()
+
+
+def merge_bodies(bodies: list[bytes]) -> bytes:
+    """Several prompts' completion bodies as one: choices in order, usage summed."""
+    parts = [msgspec.json.decode(b, type=Completion) for b in bodies]
+    merged = parts[0]
+    merged.choices = [c for p in parts for c in p.choices]
+    merged.usage = _sum_usage([p.usage for p in parts if isinstance(p.usage, Usage)])
+    return msgspec.json.encode(merged)
+
+
+def merge_stream_endings(finals: list[bytes]) -> bytes:
+    """The sub-streams' endings (an optional usage chunk, then [DONE]) as one ending."""
+    usage_chunks = [
+        msgspec.json.decode(frame[len(b"data: ") :], type=Completion)
+        for data in finals
+        for frame in data.split(b"\n\n")
+        if frame.startswith(b"data: {")
+    ]
+    if not usage_chunks:
+        return SSE_DONE
+    ending = usage_chunks[0]
+    ending.usage = _sum_usage([c.usage for c in usage_chunks if isinstance(c.usage, Usage)])
+    return b"data: " + msgspec.json.encode(ending) + b"\n\n" + SSE_DONE
+
+
+def _sum_usage(usages: list[Usage]) -> Usage:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -1,0 +1,78 @@
+"""From an OpenAI-style request body to SamplingParams: the protocol defaults pinned in one place,
+and the checks every generation route shares (context length, vocabulary).
+
+Defaults are OpenAI's, not the model's generation_config.json: temperature 1.0, top_p 1.0, n 1,
+max_tokens 16 for completions, and for chat "up to the context" (OpenAI's max_completion_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from common.errors import InvalidRequest
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise InvalidRequest("stop strings must not be empty", "stop")
+    return stops
+
+
+def logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if bias is None:
+        return None
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id", "logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        parsed[token_id] = value
+    return parsed
+
+
+def check_logprobs(num: int | None, param: str) -> None:
+    if num is not None and not 0 <= num <= MAX_LOGPROBS:
+        raise InvalidRequest(f"{param} must be in [0, {MAX_LOGPROBS}], got {num}", param)
+
+
+def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_tokens, or what is left of the context; over the context is a 400 with
+    the numbers in the message."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens",
+            "messages" if requested is None else "prompt",
+        )
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {requested}", "max_tokens")
+    if num_prompt_tokens + requested > max_model_len:
+        raise InvalidRequest(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and max_tokens is {requested} "
+            f"({num_prompt_tokens + requested} in total)",
+            "max_tokens",
+        )
+    return requested
+
+
+def validated(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    params.validate(vocab_size)
+    return params

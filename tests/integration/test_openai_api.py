@@ -1,0 +1,271 @@
+"""The HTTP surface against a real disaggregated cluster, through the official `openai` and
+`anthropic` SDKs: every route, streaming and not, the request semantics, and the 4xx answers."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.tiny_model import TEST_PROMPTS
+from tests.integration.harness import MODEL, Cluster
+
+MAX_NEW = 16
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Where do rivers go?"},
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    return start_cluster("disaggregated")
+
+
+@pytest.fixture(scope="module")
+def oai(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf_chat_text(tiny_model_path: Path) -> str:
+    """Hugging Face's greedy answer to CHAT, rendered with transformers' apply_chat_template."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def chat(oai: openai.OpenAI, **options):
+    options = {"model": MODEL, "messages": CHAT, "max_tokens": MAX_NEW, "temperature": 0, **options}
+    return oai.chat.completions.create(**options)
+
+
+# --- chat -----------------------------------------------------------------------------------------
+
+
+def test_chat_matches_hf_apply_chat_template_and_generate(oai, hf_chat_text: str) -> None:
+    result = chat(oai)
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == hf_chat_text
+    assert result.usage.completion_tokens <= MAX_NEW
+
+
+def test_chat_stream_frames(oai, hf_chat_text: str) -> None:
+    chunks = list(chat(oai, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == hf_chat_text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_chat_logprobs_and_max_completion_tokens(oai) -> None:
+    result = chat(oai, logprobs=True, top_logprobs=3, max_tokens=None, max_completion_tokens=5)
+    content = result.choices[0].logprobs.content
+    assert 1 <= len(content) <= 5
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_chat_n_choices_and_seed_reproducibility(oai) -> None:
+    first = chat(oai, n=2, temperature=1.0, seed=11)
+    again = chat(oai, n=2, temperature=1.0, seed=11)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+
+
+# --- completions ----------------------------------------------------------------------------------
+
+
+def test_prompt_forms_give_the_same_text(oai, tiny_model_path: Path) -> None:
+    prompt = TEST_PROMPTS[0]
+    ids = AutoTokenizer.from_pretrained(tiny_model_path)(prompt).input_ids
+    b64 = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+    options = {"model": MODEL, "max_tokens": MAX_NEW, "temperature": 0}
+    text = oai.completions.create(prompt=prompt, **options).choices[0].text
+    assert oai.completions.create(prompt=ids, **options).choices[0].text == text
+    by_b64 = oai.completions.create(
+        prompt=None, extra_body={"prompt_token_ids_b64": b64}, **options
+    )
+    assert by_b64.choices[0].text == text
+
+
+def test_a_list_of_prompts_answers_each_in_order(oai) -> None:
+    options = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    results = [oai.completions.create(prompt=p, **options) for p in TEST_PROMPTS[:3]]
+    singles = [r.choices[0].text for r in results]
+    merged = oai.completions.create(prompt=TEST_PROMPTS[:3], n=2, **options)
+    assert merged.id.startswith("cmpl-") and not merged.id.endswith("-0")  # one id, the client's
+    assert [c.index for c in merged.choices] == list(range(6))
+    assert [c.text for c in merged.choices] == [t for t in singles for _ in range(2)]
+    assert merged.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in results)
+    assert merged.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in results)
+    stream = oai.completions.create(
+        prompt=TEST_PROMPTS[:3], stream=True, stream_options={"include_usage": True}, **options
+    )
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == singles
+    assert chunks[-1].usage.prompt_tokens == merged.usage.prompt_tokens
+
+
+def test_echo_logprobs_and_best_of(oai) -> None:
+    prompt = TEST_PROMPTS[1]
+    result = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, best_of=1
+    )
+    choice = result.choices[0]
+    assert choice.text.startswith(prompt)
+    assert len(choice.logprobs.tokens) == result.usage.completion_tokens
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"bogus_field": 1}, "bogus_field"),
+        ({"suffix": "x"}, "suffix"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"stop": [""]}, "stop"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_invalid_completion_requests_are_400_naming_the_param(cluster, options, param) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **options}
+    response = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ],
+)
+def test_invalid_chat_requests_are_400_naming_the_param(cluster, options, param) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **options}
+    response = httpx.post(f"{cluster.base_url}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_malformed_json_unknown_model_and_unknown_route(cluster, oai) -> None:
+    response = httpx.post(
+        f"{cluster.base_url}/completions", content=b"{not json", timeout=10,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert response.status_code == 400 and "error" in response.json()
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt="hi")
+    missing = httpx.get(f"{cluster.url}/v2/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+# --- the other routes -----------------------------------------------------------------------------
+
+
+def test_models_version_tokenize_detokenize(cluster, oai, tiny_model_path: Path) -> None:
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert httpx.get(f"{cluster.url}/version", timeout=10).json()["version"]
+    tokens = httpx.post(
+        f"{cluster.base_url}/tokenize", json={"prompt": TEST_PROMPTS[2]}, timeout=10
+    ).json()
+    expected = AutoTokenizer.from_pretrained(tiny_model_path)(TEST_PROMPTS[2]).input_ids
+    assert tokens["tokens"] == expected and tokens["count"] == len(expected)
+    text = httpx.post(f"{cluster.base_url}/detokenize", json={"tokens": expected}, timeout=10)
+    assert text.json()["prompt"] == TEST_PROMPTS[2]
+    rendered = httpx.post(f"{cluster.base_url}/tokenize", json={"messages": CHAT}, timeout=10)
+    hf = AutoTokenizer.from_pretrained(tiny_model_path).apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True
+    )
+    hf_ids = hf["input_ids"] if isinstance(hf, dict) or hasattr(hf, "keys") else hf
+    assert rendered.json()["tokens"] == list(hf_ids)
+
+
+def test_health_generate_and_openapi(cluster) -> None:
+    assert httpx.get(f"{cluster.url}/health_generate", timeout=60).status_code == 200
+    document = httpx.get(f"{cluster.url}/openapi.json", timeout=10).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/tokenize"):
+        assert "post" in document["paths"][path]
+    schemas = document["components"]["schemas"]
+    assert "prompt_token_ids_b64" in schemas["CompletionRequest"]["properties"]
+
+
+# --- Anthropic Messages API -----------------------------------------------------------------------
+
+
+def test_anthropic_messages_stream_and_count_tokens(cluster, hf_chat_text: str) -> None:
+    client = anthropic.Anthropic(base_url=cluster.url, api_key="unused", timeout=60, max_retries=0)
+    system, user = CHAT[0]["content"], CHAT[1:]
+    greedy = {"temperature": 0}  # an extension: the current Messages API has no temperature
+    message = client.messages.create(
+        model=MODEL, max_tokens=MAX_NEW, system=system, messages=user, extra_body=greedy
+    )
+    assert message.content[0].text == hf_chat_text
+    assert message.stop_reason in ("max_tokens", "end_turn")
+    with client.messages.stream(
+        model=MODEL, max_tokens=MAX_NEW, system=system, messages=user, extra_body=greedy
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == hf_chat_text == final.content[0].text
+    assert final.usage.output_tokens == message.usage.output_tokens
+    counted = client.messages.count_tokens(model=MODEL, system=system, messages=user)
+    usage = message.usage  # Anthropic counts prefix-cache reads apart from input_tokens
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+# --- lifecycle ------------------------------------------------------------------------------------
+
+
+def test_client_gone_before_the_answer_frees_everything(cluster) -> None:
+    body = {"model": MODEL, "prompt": TEST_PROMPTS[6], "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.base_url}/completions", json=body, timeout=1.5)
+    info = cluster.wait_idle()
+    assert info.num_requests == 0
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
+
+
+def test_api_key_and_body_limit(start_cluster) -> None:
+    guarded = start_cluster("aggregated", frontend="max_body_bytes: 2048", api_key="sekrit")
+    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.base_url}/models", timeout=10).status_code == 401
+    client = openai.OpenAI(base_url=guarded.base_url, api_key="sekrit", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded.base_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt="x" * 4000, max_tokens=2)
+    assert caught.value.status_code == 413
