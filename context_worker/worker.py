@@ -84,8 +84,22 @@ class ContextWorker:
             self.handle(message)
         self.end_leases()
         if self.engine.has_unfinished():
-            self.collect(self.engine.step())
+            self.collect(self.run_engine_step())
         self.link.heartbeat_if_due()
+
+    def run_engine_step(self) -> list[TokenOutput]:
+        """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
+        never the client's 400) and their blocks are freed, and the worker carries on."""
+        try:
+            return self.engine.step()
+        except Exception:
+            logger.exception(
+                "engine step failed; failing the %d requests in it", len(self.prefilling)
+            )
+            for request_id in list(self.prefilling):
+                self.abort(request_id)
+                self.fail(request_id, "the context worker failed on this request", None, 500)
+            return []
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
@@ -112,12 +126,14 @@ class ContextWorker:
             return
         self.prefilling[request.request_id] = prefill
 
-    def fail(self, request_id: str, message: str, param: str | None) -> None:
+    def fail(
+        self, request_id: str, message: str, param: str | None, status_code: int = 400
+    ) -> None:
         failed = RequestFailed(
             request_id=request_id,
-            status_code=400,
+            status_code=status_code,
             message=message,
-            code="invalid_request",
+            code="invalid_request" if status_code == 400 else "internal_error",
             param=param,
         )
         self.link.send(failed)

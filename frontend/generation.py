@@ -13,6 +13,7 @@ worker); so does a failure of any one of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -93,6 +94,8 @@ async def _first_events(queues: list[asyncio.Queue[Event]], request: Request) ->
     done, pending = await asyncio.wait({gather, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # retrieved, so a client that left is not logged as an error
     return gather.result() if gather in done else None
 
 

@@ -110,9 +110,27 @@ class GenerationWorker:
         self.start_pulls()
         self.settle_pulls()
         if self.engine.has_unfinished():
-            self.emit(self.engine.step())
+            self.emit(self.run_engine_step())
         self.flush()
         self.link.heartbeat_if_due()
+
+    def run_engine_step(self) -> list[TokenOutput]:
+        """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
+        never the client's 400) and their blocks are freed, and the worker carries on."""
+        try:
+            return self.engine.step()
+        except Exception:
+            running = [
+                a
+                for a in self.active.values()
+                if a.request_id not in self.pulls
+                and self.engine.scheduler.has_request(a.request_id)
+            ]
+            logger.exception("engine step failed; failing the %d requests in it", len(running))
+            for active in running:
+                message = "the generation worker failed on this request"
+                self.fail(active, 500, message, None, "internal_error")
+            return []
 
     def handle(self, message: Message) -> None:
         if isinstance(message, DecodeRequest):

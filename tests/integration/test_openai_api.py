@@ -258,9 +258,13 @@ def test_client_gone_before_the_answer_frees_everything(cluster) -> None:
         assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
 
 
-def test_api_key_and_body_limit(start_cluster) -> None:
-    guarded = start_cluster("aggregated", frontend="max_body_bytes: 2048", api_key="sekrit")
+def test_api_key_body_limit_and_two_frontend_processes(start_cluster) -> None:
+    guarded = start_cluster(
+        "aggregated", frontend="processes: 2, max_body_bytes: 2048", api_key="sekrit"
+    )
     assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+    frontends = [w.worker_id for w in guarded.info().workers if w.role == "frontend"]
+    assert frontends == ["fe-0", "fe-1"]  # two processes share the port
     assert httpx.get(f"{guarded.base_url}/models", timeout=10).status_code == 401
     client = openai.OpenAI(base_url=guarded.base_url, api_key="sekrit", max_retries=0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
@@ -269,3 +273,13 @@ def test_api_key_and_body_limit(start_cluster) -> None:
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model=MODEL, prompt="x" * 4000, max_tokens=2)
     assert caught.value.status_code == 413
+
+
+def test_first_token_that_ends_the_request_still_streams(oai) -> None:
+    chunks = list(
+        oai.completions.create(
+            model=MODEL, prompt=TEST_PROMPTS[7], max_tokens=1, temperature=0, stream=True
+        )
+    )
+    assert len(chunks) == 1
+    assert chunks[0].choices[0].text and chunks[0].choices[0].finish_reason == "length"
