@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -24,6 +26,8 @@ from common.errors import error_body
 from common.openai_schema import Completion, PromptTokensDetails, Usage
 from common.protocol import Chunk, GenerateRequest, RequestFailed
 from frontend.cluster_client import ClusterClient, Event
+
+logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -62,8 +66,10 @@ async def serve(
 ) -> Response:
     """Submit, wait for the first events, and answer: an HTTP error, a body, or a stream."""
     ids = [g.request_id for g in generates]
+    started = time.perf_counter()
     queues = [await client.submit(g) for g in generates]
     firsts = await _first_events(queues, request)
+    logger.debug("%s: first answer after %.1f ms", ids[0], (time.perf_counter() - started) * 1e3)
     if firsts is None:  # the client left before anything came back
         for request_id in ids:
             client.abort(request_id)
