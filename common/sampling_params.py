@@ -14,6 +14,14 @@ from common.errors import InvalidRequest
 MAX_LOGPROBS = 20  # same ceiling as OpenAI's top_logprobs
 
 
+class GuidedDecoding(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's constraint as it travels to both workers: an llguidance grammar (its JSON
+    text), built and checked by the frontend (common/guided.py)."""
+
+    grammar: str
+    source: str = ""  # what asked for it, for errors and logs: "json_schema", "tool_choice", ...
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
@@ -32,6 +40,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     max_tokens: int = 16
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None  # a grammar every sampled token must follow
 
     @property
     def greedy(self) -> bool:

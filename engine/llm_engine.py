@@ -11,6 +11,7 @@ from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
+from engine.guided import GrammarCompiler
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import load_model
@@ -61,6 +62,9 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model
+        self.grammars = GrammarCompiler(
+            self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
+        )
 
     def add_request(
         self,
@@ -150,6 +154,7 @@ class LLMEngine:
             output_token_ids=[],
             generator=make_generator(params.seed, index) if params.seed is not None else None,
             eos_token_ids=self.eos_token_ids,
+            matcher=self.grammars.matcher(params.guided) if params.guided is not None else None,
         )
         return Sequence(
             seq_id=request_id if params.n == 1 else f"{request_id}#{index}",

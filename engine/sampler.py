@@ -2,7 +2,7 @@
 
 Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
 
-    logit_bias → min_tokens → repetition penalty → presence/frequency penalties
+    logit_bias → min_tokens → grammar mask → repetition penalty → presence/frequency penalties
         → greedy rows: argmax
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from common.sampling_params import SamplingParams
+from engine.guided import apply_grammar_masks
 
 _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-5  # dividing by less overflows float32; such rows are greedy in all but name
@@ -42,6 +44,13 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # make_generator(params.seed, index) when seeded
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids, masked during min_tokens
+    matcher: llguidance.LLMatcher | None = None  # params.guided's grammar state (engine/guided.py)
+
+    def append(self, token_id: int) -> None:
+        """Record a sampled (or replayed) token; the grammar, if any, consumes it too."""
+        self.output_token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
 
 
 @dataclass(slots=True)
@@ -71,6 +80,7 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Te
     fallback = x.argmax(dim=-1, keepdim=True)  # (num_rows, 1), before any mask
     x = _apply_logit_bias(x, states)
     masked = _apply_min_tokens(x, states)
+    masked |= apply_grammar_masks(x, [s.matcher for s in states])
     x = _apply_repetition_penalty(x, states)
     x = _apply_presence_frequency(x, states)
     if masked or not all(s.params.greedy for s in states):

@@ -58,4 +58,4 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.sampling.output_token_ids.append(token_id)
+        self.sampling.append(token_id)

@@ -1,0 +1,109 @@
+"""Guided decoding specs: what the frontend turns response_format, guided_* and tool_choice into,
+as llguidance grammars (torch-free; the engine's sampler applies them as token masks).
+
+One grammar per request, whatever asked for it:
+
+    response_format json_object / json_schema, guided_json → a JSON-schema grammar
+    guided_regex, guided_grammar (Lark)                     → a regex / Lark grammar
+    tool_choice "required"   → one or more <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    tool_choice named        → {"name": f, "arguments": ...}</tool_call>, after the injected
+                               "<tool_call>\\n" (the frontend appends it to the rendered prompt)
+
+Tool calls use the Hermes / Qwen format the served chat template teaches the model.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import llguidance
+
+from common.errors import InvalidRequest
+from common.sampling_params import GuidedDecoding
+
+TOOL_CALL_BEGIN = "<tool_call>\n"  # what a forced call's prompt ends with
+# In the grammars the tags are tokens (`<tool_call>` unquoted is Lark for "this special token"):
+# tokenizers that know them (Qwen's) emit them as one token, never as their characters.
+_CALL_BEGIN = '<tool_call> "\\n"'
+_CALL_END = '"\\n" </tool_call>'
+# JSON without free whitespace runs: a weak model would otherwise spend its tokens on blanks.
+_COMPACT = {"whitespace_flexible": False}
+
+
+def json_schema(schema: dict[str, Any] | bool, source: str = "json_schema") -> GuidedDecoding:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+    except ValueError as e:
+        raise InvalidRequest(f"{source}: not a usable JSON schema: {e}", source) from None
+    return GuidedDecoding(grammar=grammar, source=source)
+
+
+def regex(pattern: str) -> GuidedDecoding:
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_regex(pattern), source="guided_regex"
+    )
+
+
+def lark(text: str) -> GuidedDecoding:
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_lark(text), source="guided_grammar"
+    )
+
+
+def tool_call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object a call of `function` is: its name, and arguments under its schema."""
+    parameters = function.get("parameters") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def required_tool_calls(functions: list[dict[str, Any]]) -> GuidedDecoding:
+    """At least one call of one of the tools, each inside <tool_call> tags, nothing else."""
+    schema = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
+    text = (
+        f'start: call ("\\n" call)*\ncall: {_CALL_BEGIN} %json {json.dumps(schema)} {_CALL_END}\n'
+    )
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
+    )
+
+
+def named_tool_call(function: dict[str, Any]) -> GuidedDecoding:
+    """The rest of one call of `function` after the injected TOOL_CALL_BEGIN."""
+    schema = json.dumps({**tool_call_schema(function), "x-guidance": _COMPACT})
+    text = f"start: %json {schema} {_CALL_END}\n"
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
+    )
+
+
+@cache
+def _ll_tokenizer(
+    tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def ll_tokenizer(
+    model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> llguidance.LLTokenizer:
+    """The model's tokenizer as llguidance sees it (built once per process: about a second)."""
+    return _ll_tokenizer((model_dir / "tokenizer.json").read_text(), vocab_size, eos_token_ids)
+
+
+def check(spec: GuidedDecoding, tokenizer: llguidance.LLTokenizer) -> None:
+    """A grammar that does not compile is the client's 400, found before any worker sees it."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        spec.grammar, tokenizer
+    )
+    if is_error:
+        raise InvalidRequest(
+            f"{spec.source}: the constraint does not compile: {messages[0]}", spec.source
+        )

@@ -1,0 +1,110 @@
+"""Guided decoding in the engine: with the tiny model, only the grammar makes output valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from common import guided
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.tiny_model import TEST_PROMPTS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "days", "sunny"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path: Path) -> LLM:
+    return LLM(str(tiny_model_path), num_blocks=512, block_size=16)
+
+
+def generate(llm: LLM, spec, seed: int, max_tokens: int = 96, prompt: str = TEST_PROMPTS[0]):
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, guided=spec)
+    return llm.generate([prompt], params)[0].outputs[0]
+
+
+def test_json_schema_output_validates_for_20_seeds(llm: LLM) -> None:
+    spec = guided.json_schema(SCHEMA)
+    for seed in range(20):
+        out = generate(llm, spec, seed)
+        assert out.finish_reason == "stop", out.text  # the grammar ended it, not max_tokens
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_regex_output_matches(llm: LLM) -> None:
+    spec = guided.regex(r"[0-9]{3}-[a-z]{2,4}")
+    for seed in range(5):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", generate(llm, spec, seed).text)
+
+
+def test_required_tool_calls_parse(llm: LLM) -> None:
+    spec = guided.required_tool_calls([WEATHER])
+    for seed in range(5):
+        text = generate(llm, spec, seed, max_tokens=128).text
+        calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, flags=re.S)
+        assert calls and text == "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+        for call in calls:
+            parsed = json.loads(call)
+            assert parsed["name"] == "get_weather"
+            jsonschema.validate(parsed["arguments"], WEATHER["parameters"])
+
+
+def test_a_pulled_request_replays_its_first_token_into_the_grammar(tiny_model_path: Path) -> None:
+    config = EngineConfig(model=str(tiny_model_path), num_blocks=128, block_size=4)
+    context, generation = LLMEngine(config), LLMEngine(config)
+    prompt = list(range(300, 322))
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=96, guided=guided.json_schema(SCHEMA)
+    )
+    context.add_request("r", prompt, params, prefill_only=True)
+    (first,) = context.step()
+    source = context.held_block_table("r")
+    table, num_valid = generation.add_pulled_request("r", prompt, params, {0: first.token_id})
+    for src, dst in zip(source[num_valid // 4 :], table[num_valid // 4 :], strict=True):
+        generation.kv_cache.pool[dst] = context.kv_cache.pool[src]
+    generation.pull_done("r")
+    context.release_held("r")
+    tokens = [first.token_id]
+    while generation.has_unfinished():
+        tokens += [o.token_id for o in generation.step()]
+    text = llm_text(tiny_model_path, tokens)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def llm_text(model_path: Path, tokens: list[int]) -> str:
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_path).decode(tokens, skip_special_tokens=True)
+
+
+def test_bad_grammars_are_refused_before_any_worker(tiny_model_path: Path) -> None:
+    tokenizer = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
+    with pytest.raises(InvalidRequest, match="guided_grammar"):
+        guided.check(guided.lark("start: nope"), tokenizer)
+    with pytest.raises(InvalidRequest, match="guided_regex"):
+        guided.check(guided.regex("[unclosed"), tokenizer)
