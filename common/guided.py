@@ -84,6 +84,21 @@ def named_tool_call(function: dict[str, Any]) -> GuidedDecoding:
     )
 
 
+def triggered_tool_calls(functions: list[dict[str, Any]]) -> GuidedDecoding:
+    """Free text, but once the model opens <tool_call>, the call must be valid (strict tools)."""
+    tags = [
+        llguidance.StructTag(
+            trigger="<tool_call>",
+            begin=TOOL_CALL_BEGIN,
+            grammar={**tool_call_schema(f), "x-guidance": _COMPACT},
+            end="\n</tool_call>",
+        )
+        for f in functions
+    ]
+    grammar = llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags))
+    return GuidedDecoding(grammar=grammar, source="tools")
+
+
 @cache
 def _ll_tokenizer(
     tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]

@@ -75,10 +75,22 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    # reasoning_content / tool_calls: added by the reasoning and tool parsers
+    reasoning_content: str | UnsetType = UNSET  # set only when a reasoning parser ran
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # set only when the choice called tools
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -97,12 +109,27 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | UnsetType = UNSET  # only in a call's first fragment
+    arguments: str | UnsetType = UNSET  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One fragment of a streamed tool call: id, type and name come only with its first."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A streamed chat delta: only the fields that changed ("{}" on a bare finish chunk)."""
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
-    # reasoning_content / tool_calls: added by the reasoning and tool parsers
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

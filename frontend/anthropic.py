@@ -19,6 +19,7 @@ from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from frontend.chat import ChatCompletionRequest, Message, TextPart, render_chat
+from frontend.model_info import ModelInfo
 from frontend.sampling import max_tokens_for, stop_list, validated
 
 
@@ -81,13 +82,8 @@ def count_tokens(body: CountTokensRequest, tokenizer: Tokenizer) -> int:
     return len(tokenizer.encode(rendered.prompt_text))
 
 
-def to_generate_request(
-    body: MessagesRequest,
-    tokenizer: Tokenizer,
-    max_model_len: int,
-    vocab_size: int,
-    reply_to: str,
-) -> GenerateRequest:
+def to_generate_request(body: MessagesRequest, model: ModelInfo, reply_to: str) -> GenerateRequest:
+    tokenizer, vocab_size, max_model_len = model.tokenizer, model.vocab_size, model.max_model_len
     chat = as_chat(body.model, body.messages, body.system)
     # Anthropic's own ranges: temperature in [0, 1]
     if not 0.0 <= body.temperature <= 1.0:

@@ -9,10 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
-import json
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -27,37 +24,16 @@ from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import Chunk, GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer, load_tokenizer, resolve_model_dir
 from frontend import anthropic, chat, completions
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
+from frontend.model_info import ModelInfo
 from frontend.openapi import openapi_document
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
 HEALTH_TIMEOUT_S = 1.0
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    name: str
-    tokenizer: Tokenizer
-    max_model_len: int
-    vocab_size: int
-    created: int
-
-
-def load_model_info(config: ClusterConfig) -> ModelInfo:
-    model_dir = resolve_model_dir(config.model)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    return ModelInfo(
-        name=config.model,
-        tokenizer=load_tokenizer(model_dir),
-        max_model_len=int(hf_config["max_position_embeddings"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        created=int(time.time()),
-    )
 
 
 class ApiKeyMiddleware:
@@ -110,14 +86,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     async def create_completion(request: Request) -> Response:
         body = await decode_body(request, completions.CompletionRequest)
         check_model(body.model)
-        generates = await off_loop(
-            completions.to_generate_requests,
-            body,
-            model.tokenizer,
-            model.max_model_len,
-            model.vocab_size,
-            client.reply_to,
-        )
+        generates = await off_loop(completions.to_generate_requests, body, model, client.reply_to)
         return await serve(request, client, generates)
 
     async def create_chat_completion(request: Request) -> Response:
@@ -126,9 +95,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         generate = await off_loop(
             chat.to_generate_request,
             body,
-            model.tokenizer,
-            model.max_model_len,
-            model.vocab_size,
+            model,
             client.reply_to,
             config.frontend.allow_request_chat_template,
         )
@@ -137,14 +104,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     async def create_message(request: Request) -> Response:
         body = await decode_body(request, anthropic.MessagesRequest)
         check_model(body.model)
-        generate = await off_loop(
-            anthropic.to_generate_request,
-            body,
-            model.tokenizer,
-            model.max_model_len,
-            model.vocab_size,
-            client.reply_to,
-        )
+        generate = await off_loop(anthropic.to_generate_request, body, model, client.reply_to)
         return await serve(request, client, [generate], media="anthropic")
 
     async def count_message_tokens(request: Request) -> Response:

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: the request body, rendering the conversation with the chat
 template, and the translation into a GenerateRequest.
 
-Tools are passed to the template; tool-call parsing, tool_choice "required" / named tools and
-response_format constraints come with the structured-output issue and are refused with a 400
-that says so until then.
+    body ─▶ thinking kwargs made consistent ─▶ template (tools included) ─▶ RenderedPrompt
+         ─▶ + forced-call prefix ─▶ tokens;  response_format / guided_* / tool_choice ─▶ grammar
+         ─▶ parser state (reasoning parser, thinking resolved from the template's own output,
+            tool parser) that travels to the postproc worker
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from typing import Any, Literal
 import msgspec
 
 from common.errors import InvalidRequest
+from common.guided import check
+from common.parser_choice import reasoning_parser_for, tool_parser_for
 from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
+from common.thinking import resolve_prefilled_thinking
 from common.tokenizer import Tokenizer
 from frontend.chat_template import RenderedPrompt, render
 from frontend.completions import StreamOptions, new_request_id
+from frontend.model_info import ModelInfo
 from frontend.sampling import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
@@ -28,6 +33,7 @@ from frontend.sampling import (
     stop_list,
     validated,
 )
+from frontend.structured import ResponseFormat, ToolPlan, combine, from_guided_fields, plan_tools
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -74,11 +80,6 @@ class Tool(_Strict):
     type: Literal["function"] = "function"
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_Strict):
     model: str
     messages: list[Message]
@@ -101,6 +102,9 @@ class ChatCompletionRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions, as in vLLM
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark, llguidance's dialect
     # extensions, as in vLLM
     top_k: int = 0
     min_p: float = 0.0
@@ -116,24 +120,12 @@ class ChatCompletionRequest(_Strict):
     priority: int = 0
 
 
-def check_unsupported(body: ChatCompletionRequest, allow_request_template: bool) -> None:
+def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> None:
     if body.chat_template is not None and not allow_request_template:
         raise InvalidRequest(
             "a per-request chat_template is not allowed by this server "
             "(frontend.allow_request_chat_template)",
             "chat_template",
-        )
-    if isinstance(body.tool_choice, dict) or body.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest(
-            "tool_choice 'required' and named tools need guided decoding, which this server "
-            "does not have yet",
-            "tool_choice",
-        )
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format {body.response_format.type!r} needs guided decoding, which this "
-            "server does not have yet",
-            "response_format",
         )
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
@@ -163,6 +155,8 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
 def render_chat(
     body: ChatCompletionRequest, tokenizer: Tokenizer, default_template: str | None
 ) -> RenderedPrompt:
+    """The template's output, with `thinking` and `enable_thinking` made equal first: templates
+    read one or the other, and the reasoning parser ORs them (a stale one would win)."""
     source = body.chat_template or default_template
     if source is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
@@ -180,21 +174,39 @@ def render_chat(
         tools=[msgspec.to_builtins(t) for t in body.tools] if body.tools else None,
         add_generation_prompt=body.add_generation_prompt,
         special_tokens=special_tokens,
-        template_kwargs=dict(body.chat_template_kwargs or {}),
+        template_kwargs=thinking_kwargs(body.chat_template_kwargs or {}),
     )
+
+
+def thinking_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(kwargs)
+    for key, other in (("enable_thinking", "thinking"), ("thinking", "enable_thinking")):
+        if key in kwargs and other not in kwargs:
+            kwargs[other] = kwargs[key]
+    return kwargs
 
 
 def to_generate_request(
     body: ChatCompletionRequest,
-    tokenizer: Tokenizer,
-    max_model_len: int,
-    vocab_size: int,
+    model: ModelInfo,
     reply_to: str,
     allow_request_template: bool,
 ) -> GenerateRequest:
     """Validate, render, tokenize and translate; raises InvalidRequest naming the parameter."""
-    check_unsupported(body, allow_request_template)
+    check_request(body, allow_request_template)
+    tokenizer = model.tokenizer
+    tools = [msgspec.to_builtins(t) for t in body.tools or []]
+    plan = plan_tools(tools, body.tool_choice)
+    constraint = combine(
+        plan,
+        from_guided_fields(
+            body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
+        ),
+    )
+    if constraint is not None:
+        check(constraint, model.ll_tokenizer())
     rendered = render_chat(body, tokenizer, tokenizer.chat_template)
+    rendered = RenderedPrompt(rendered.template_text, rendered.template_text + plan.prompt_prefix)
     prompt = tokenizer.encode(rendered.prompt_text)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -211,15 +223,16 @@ def to_generate_request(
             frequency_penalty=body.frequency_penalty,
             seed=body.seed,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            logit_bias=logit_bias(body.logit_bias, vocab_size),
+            logit_bias=logit_bias(body.logit_bias, model.vocab_size),
             stop=stop_list(body.stop),
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens_for(requested, len(prompt), max_model_len),
+            max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
             min_tokens=body.min_tokens,
             skip_special_tokens=body.skip_special_tokens,
+            guided=constraint,
         ),
-        vocab_size,
+        model.vocab_size,
     )
     prompt_b64 = encode_token_ids(prompt)
     output = OutputOptions(
@@ -231,6 +244,7 @@ def to_generate_request(
         stop=sampling.stop,
         skip_special_tokens=body.skip_special_tokens,
         prompt_token_ids_b64=prompt_b64,
+        parser_state=parser_state(model.model_type, rendered, plan),
     )
     return GenerateRequest(
         request_id=new_request_id("chatcmpl"),
@@ -242,3 +256,17 @@ def to_generate_request(
         priority=body.priority,
         arrival_time=time.time(),
     )
+
+
+def parser_state(model_type: str, rendered: RenderedPrompt, plan: ToolPlan) -> dict[str, Any]:
+    """The postproc parsers' starting state. The thinking state is read from the template's own
+    output (not the prompt with an injected prefix): only the frontend sees that text."""
+    state: dict[str, Any] = {}
+    reasoning = reasoning_parser_for(model_type)
+    if reasoning is not None:
+        state["reasoning_parser"] = reasoning
+        state["thinking"] = resolve_prefilled_thinking(rendered.template_text)
+    if plan.parse_tools:
+        state["tool_parser"] = tool_parser_for(model_type)
+        state["in_tool_call"] = plan.in_tool_call
+    return state

@@ -10,9 +10,11 @@ from typing import Any
 import msgspec
 
 from common.errors import InvalidRequest
+from common.guided import check
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -23,6 +25,7 @@ from frontend.sampling import (
     stop_list,
     validated,
 )
+from frontend.structured import ResponseFormat, from_guided_fields
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -59,6 +62,10 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     cache_salt: str | None = None
     priority: int = 0
     prompt_token_ids_b64: str | None = None  # base64 of little-endian int32 ids, instead of prompt
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark, llguidance's dialect
 
 
 def new_request_id(prefix: str = "cmpl") -> str:
@@ -97,13 +104,10 @@ def _is_id(value: object) -> bool:
 
 
 def to_generate_requests(
-    body: CompletionRequest,
-    tokenizer: Tokenizer,
-    max_model_len: int,
-    vocab_size: int,
-    reply_to: str,
+    body: CompletionRequest, model: ModelInfo, reply_to: str
 ) -> list[GenerateRequest]:
     """Validate and translate; raises InvalidRequest naming the parameter."""
+    tokenizer, vocab_size, max_model_len = model.tokenizer, model.vocab_size, model.max_model_len
     if body.suffix is not None:
         raise InvalidRequest("suffix is not supported", "suffix")
     if body.stream_options is not None and not body.stream:
@@ -111,6 +115,11 @@ def to_generate_requests(
     if body.best_of is not None and body.best_of < body.n:
         raise InvalidRequest(f"best_of ({body.best_of}) must be >= n ({body.n})", "best_of")
     check_logprobs(body.logprobs, "logprobs")
+    constraint = from_guided_fields(
+        body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
+    )
+    if constraint is not None:
+        check(constraint, model.ll_tokenizer())
     prompts = prompt_list(body, tokenizer)
     bias = logit_bias(body.logit_bias, vocab_size)
     stops = stop_list(body.stop)
@@ -141,6 +150,7 @@ def to_generate_requests(
                 max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
                 min_tokens=body.min_tokens,
                 skip_special_tokens=body.skip_special_tokens,
+                guided=constraint,
             ),
             vocab_size,
         )

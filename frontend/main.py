@@ -13,8 +13,9 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
 from common.entrypoint import parse_args, setup_logging
-from frontend.app import build_app, load_model_info
+from frontend.app import build_app
 from frontend.cluster_client import ClusterClient
+from frontend.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,10 @@
 """One request's post-processing: token deltas in, OpenAI bytes out (SSE frames, or one JSON body).
 
-    TokenDelta (one choice) ──▶ detokenizer ──▶ stop strings ──▶ [parser hook] ──▶ chunk / body
+    TokenDelta (one choice) ──▶ detokenizer ──▶ stop strings ──▶ [parsers] ──▶ chunk / body
+
+The reasoning / tool-call parsers (parsers/) run only for kind "chat", when the request's
+`parser_state` asks for them; a choice that called a tool and ended by stop finishes with
+"tool_calls".
 
 Kind "anthropic" shares everything up to the text; `anthropic_format` shapes its bytes.
 
@@ -36,10 +40,11 @@ from common.openai_schema import (
     TopLogprob,
     Usage,
 )
-from common.protocol import GenerateRequest, TokenDelta, decode_token_ids
+from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_token_ids
 from common.tokenizer import Tokenizer
 from postproc_worker import anthropic_format
 from postproc_worker.detokenizer import IncrementalDetokenizer
+from postproc_worker.parsers import ChoiceParsers, ParserState, special_texts
 from postproc_worker.stop_strings import StopStringMatcher
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -76,7 +81,7 @@ class ChoiceState:
     index: int
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
-    parser_state: dict[str, object]  # reasoning / tool parsers keep their per-choice state here
+    parsers: ChoiceParsers | None  # chat with parser_state: reasoning / tool-call parsing
     text_parts: list[str] = field(default_factory=list)  # non-streaming: the whole text so far
     logprobs: list[TokenLogprob] = field(default_factory=list)  # streaming: only those not yet sent
     num_tokens: int = 0
@@ -112,22 +117,39 @@ class RequestState:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.done = False
+        self._parser_error: ValueError | None = None  # raised by `add`: fails this request only
+        parser_state = self._parser_state(options)
         self.choices = [
             ChoiceState(
                 index=i,
                 detokenizer=IncrementalDetokenizer(
                     tokenizer,
-                    skip_special_tokens=options.skip_special_tokens,
+                    # Parsers must see their markers, special tokens or not; they drop the rest.
+                    skip_special_tokens=options.skip_special_tokens and parser_state is None,
                     prompt_token_ids=prompt_token_ids,
                 ),
                 stop=StopStringMatcher(options.stop),
-                parser_state=dict(options.parser_state),
+                parsers=ChoiceParsers(parser_state, special_texts(tokenizer))
+                if parser_state is not None
+                else None,
             )
             for i in range(request.sampling.n)
         ]
 
+    def _parser_state(self, options: OutputOptions) -> ParserState | None:
+        if not self._chat or not options.parser_state:
+            return None
+        try:
+            state = ParserState.from_dict(options.parser_state)
+        except msgspec.ValidationError as exc:
+            self._parser_error = ValueError(f"invalid parser_state: {exc}")
+            return None
+        return state if state.active else None
+
     def add(self, delta: TokenDelta) -> StepOutput:
         """Feed one choice's new tokens; late ones (request done, or choice stopped) are dropped."""
+        if self._parser_error is not None:
+            raise self._parser_error
         if self.done:
             return StepOutput(done=True)
         choice = self.choices[delta.index]
@@ -199,17 +221,11 @@ class RequestState:
                 )
             else:
                 text = self._echo + text
+        if self._chat:
+            return frames + self._chat_frame(choice, text)
         if not text and choice.finish_reason is None:
             return frames  # nothing visible yet: logprobs wait for the chunk that carries the text
         records, choice.logprobs = choice.logprobs, []
-        if self._chat:
-            chat_choice = ChatChunkChoice(
-                index=choice.index + self._index_offset,
-                delta=self._delta_message(choice, text),
-                logprobs=self._chat_logprobs(records) if records else None,
-                finish_reason=choice.finish_reason,
-            )
-            return frames + self._sse(self._chat_chunk(chat_choice))
         completion_choice = CompletionChoice(
             index=choice.index + self._index_offset,
             text=text,
@@ -218,9 +234,30 @@ class RequestState:
         )
         return frames + self._sse(self._completion(completion_choice))
 
+    def _chat_frame(self, choice: ChoiceState, text: str) -> bytes:
+        delta = self._delta_message(choice, text)
+        if delta == DeltaMessage() and choice.finish_reason is None:
+            return b""  # nothing visible yet: logprobs wait for the chunk that carries the text
+        records, choice.logprobs = choice.logprobs, []
+        chat_choice = ChatChunkChoice(
+            index=choice.index + self._index_offset,
+            delta=delta,
+            logprobs=self._chat_logprobs(records) if records else None,
+            finish_reason=self._chat_finish_reason(choice),
+        )
+        return self._sse(self._chat_chunk(chat_choice))
+
     def _delta_message(self, choice: ChoiceState, text: str) -> DeltaMessage:
-        """Hook for the reasoning / tool-call parsers (state: choice.parser_state); content now."""
-        return DeltaMessage(content=text) if text else DeltaMessage()
+        if choice.parsers is None:
+            return DeltaMessage(content=text) if text else DeltaMessage()
+        return choice.parsers.feed(text, final=choice.finish_reason is not None).delta()
+
+    @staticmethod
+    def _chat_finish_reason(choice: ChoiceState) -> str | None:
+        parsers = choice.parsers
+        if choice.finish_reason == "stop" and parsers is not None and parsers.num_tool_calls:
+            return "tool_calls"
+        return choice.finish_reason
 
     def _final_frames(self) -> bytes:
         if self._anthropic is not None:
@@ -305,14 +342,16 @@ class RequestState:
         )
 
     def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
-        """Hook for the reasoning / tool-call parsers, like `_delta_message`; content for now."""
+        text = "".join(choice.text_parts)
         return ChatChoice(
             index=choice.index + self._index_offset,
-            message=ChatMessage(content="".join(choice.text_parts)),
+            message=ChatMessage(content=text)
+            if choice.parsers is None
+            else choice.parsers.feed(text, final=True).message(),
             logprobs=self._chat_logprobs(choice.logprobs)
             if self._num_logprobs is not None
             else None,
-            finish_reason=choice.finish_reason,
+            finish_reason=self._chat_finish_reason(choice),
         )
 
     def _usage(self) -> Usage:

@@ -1,0 +1,47 @@
+"""What the frontend knows about the served model, read once at start from its directory (no
+torch, no transformers): name, tokenizer, limits, and the llguidance tokenizer for checking
+constraints (built on first use)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llguidance
+
+from common.config import ClusterConfig
+from common.guided import ll_tokenizer
+from common.tokenizer import Tokenizer, load_tokenizer, resolve_model_dir
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str  # the `model:` value clients must send
+    model_dir: Path
+    model_type: str  # config.json's, e.g. "qwen3": picks the reasoning and tool parsers
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        return ll_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
+
+
+def load_model_info(config: ClusterConfig) -> ModelInfo:
+    model_dir = resolve_model_dir(config.model)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    eos = hf_config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    return ModelInfo(
+        name=config.model,
+        model_dir=model_dir,
+        model_type=str(hf_config.get("model_type", "")),
+        tokenizer=load_tokenizer(model_dir),
+        max_model_len=int(hf_config["max_position_embeddings"]),
+        vocab_size=int(hf_config["vocab_size"]),
+        eos_token_ids=eos_ids,
+    )

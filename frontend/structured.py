@@ -1,0 +1,119 @@
+"""From a request's response_format, guided_* extensions and tool_choice to one constraint, the
+prompt prefix a forced tool call needs, and what the tool parser must know.
+
+    tool_choice none / auto (no strict tool)  → no constraint; the parser finds calls in the text
+    auto with strict tools                    → free text, calls constrained once opened
+    required                                  → at least one call, constrained
+    named function                            → "<tool_call>\\n" appended to the rendered prompt
+                                                (both halves: the prefix AND the schema), and the
+                                                parser starts inside a call
+
+A tool constraint and a response_format (or guided_*) both want the one grammar: a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from common import guided
+from common.errors import InvalidRequest
+from common.sampling_params import GuidedDecoding
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: str  # text | json_object | json_schema
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    guided: GuidedDecoding | None = None
+    prompt_prefix: str = ""  # appended after the template's output
+    parse_tools: bool = False  # run the tool-call parser on the output
+    in_tool_call: bool = False  # the output starts inside a call (the prefix opened it)
+
+
+def from_guided_fields(
+    response_format: ResponseFormat | None,
+    guided_json: dict[str, Any] | str | None,
+    guided_regex: str | None,
+    guided_grammar: str | None,
+) -> GuidedDecoding | None:
+    specs = []
+    if response_format is not None and response_format.type != "text":
+        specs.append(_response_format(response_format))
+    if guided_json is not None:
+        schema = json.loads(guided_json) if isinstance(guided_json, str) else guided_json
+        specs.append(guided.json_schema(schema, "guided_json"))
+    if guided_regex is not None:
+        specs.append(guided.regex(guided_regex))
+    if guided_grammar is not None:
+        specs.append(guided.lark(guided_grammar))
+    if len(specs) > 1:
+        raise InvalidRequest(
+            "give at most one of response_format, guided_json, guided_regex and guided_grammar",
+            specs[1].source,
+        )
+    return specs[0] if specs else None
+
+
+def _response_format(response_format: ResponseFormat) -> GuidedDecoding:
+    if response_format.type == "json_object":
+        return guided.json_schema({"type": "object"}, "response_format")
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema or {}
+        if not isinstance(spec.get("schema"), dict):
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object", "response_format"
+            )
+        return guided.json_schema(spec["schema"], "response_format")
+    raise InvalidRequest(
+        f"response_format type {response_format.type!r} is not text, json_object or json_schema",
+        "response_format",
+    )
+
+
+def plan_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None) -> ToolPlan:
+    """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}})."""
+    functions = [t["function"] for t in tools]
+    if tool_choice == "none" or not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        return ToolPlan()
+    if tool_choice in (None, "auto"):
+        strict = [f for f in functions if f.get("strict")]
+        return ToolPlan(
+            guided=guided.triggered_tool_calls(strict) if strict else None, parse_tools=True
+        )
+    if tool_choice == "required":
+        return ToolPlan(guided=guided.required_tool_calls(functions), parse_tools=True)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise InvalidRequest(
+                f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+            )
+        return ToolPlan(
+            guided=guided.named_tool_call(chosen[0]),
+            prompt_prefix=guided.TOOL_CALL_BEGIN,
+            parse_tools=True,
+            in_tool_call=True,
+        )
+    raise InvalidRequest(
+        'tool_choice must be none, auto, required or {"type": "function", ...}', "tool_choice"
+    )
+
+
+def combine(tool_plan: ToolPlan, other: GuidedDecoding | None) -> GuidedDecoding | None:
+    if tool_plan.guided is not None and other is not None:
+        raise InvalidRequest(
+            f"{other.source} cannot be combined with tool_choice {tool_plan.guided.source!r}: "
+            "both constrain the whole output",
+            other.source,
+        )
+    return tool_plan.guided or other

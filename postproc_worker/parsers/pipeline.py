@@ -1,0 +1,188 @@
+"""A chat choice's text through its parsers, and the OpenAI message pieces that come out.
+
+    text ──▶ special tokens out ──▶ ReasoningParser ──reasoning─────────────▶ reasoning_content
+             (but the markers)                      ──content──▶ ToolParser ──▶ content, tool_calls
+
+The frontend asks for parsers in `OutputOptions.parser_state` (see `ParserState`); the postproc
+worker then decodes the choice with special tokens kept, whatever `skip_special_tokens` says, so
+that markers which are special tokens (`[TOOL_CALLS]`, `<｜tool▁calls▁begin｜>`) reach the parsers,
+and removes the other special tokens (`<|im_end|>`, `<|eot_id|>`) here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+import msgspec
+from msgspec import UNSET
+
+from common.openai_schema import (
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from common.tokenizer import Tokenizer
+from postproc_worker.parsers.markers import MarkerFilter, Markers
+from postproc_worker.parsers.reasoning import REASONING_PARSERS, ReasoningParser
+from postproc_worker.parsers.tools import (
+    TOOL_PARSERS,
+    ToolCallArguments,
+    ToolCallStart,
+    ToolEvent,
+    ToolParser,
+)
+
+
+class ParserState(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """The parsers a chat request asks for: `OutputOptions.parser_state`, as a typed record.
+
+    The state each choice's output starts in: the frontend sets it from the request and the
+    rendered prompt. Absent keys take these defaults; an empty dict means no parsing.
+    """
+
+    reasoning_parser: str | None = None  # a REASONING_PARSERS key: "qwen3", "deepseek-r1"
+    thinking: bool | None = None  # common.thinking.resolve_prefilled_thinking of the template
+    tool_parser: str | None = None  # a TOOL_PARSERS key; set only when the request has tools
+    in_tool_call: bool = False  # the prompt ends with the tool parser's `begin` (a forced call)
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}")
+        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_parser {self.tool_parser!r}")
+        if self.in_tool_call and self.tool_parser is None:
+            raise ValueError("in_tool_call needs a tool_parser")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, object]) -> ParserState:
+        """Raises msgspec.ValidationError on an unknown key, a wrong type or an unknown parser."""
+        return msgspec.convert(raw, cls)
+
+    def to_dict(self) -> dict[str, object]:
+        """The dict for `OutputOptions.parser_state`, defaults left out."""
+        out: dict[str, object] = msgspec.to_builtins(self)
+        return out
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning_parser is not None or self.tool_parser is not None
+
+
+@dataclass(slots=True)
+class ParsedText:
+    """What one piece of a choice's text became, in output order."""
+
+    reasoning: str = ""
+    events: list[ToolEvent] = field(default_factory=list)  # content (str) and tool-call events
+
+    @property
+    def content(self) -> str:
+        return "".join(e for e in self.events if isinstance(e, str))
+
+    def delta(self) -> DeltaMessage:
+        """The streamed delta: a call's id, type and name only with its first fragment."""
+        calls: list[tuple[ToolCallStart | None, int, list[str]]] = []
+        for event in self.events:
+            if isinstance(event, ToolCallStart):
+                calls.append((event, event.index, []))
+            elif isinstance(event, ToolCallArguments):
+                if not calls or calls[-1][1] != event.index:
+                    calls.append((None, event.index, []))
+                calls[-1][2].append(event.text)
+        content = self.content
+        return DeltaMessage(
+            content=content or UNSET,
+            reasoning_content=self.reasoning or UNSET,
+            tool_calls=[_delta_tool_call(*call) for call in calls] or UNSET,
+        )
+
+    def message(self) -> ChatMessage:
+        """The whole choice's message (non-streaming): null content when there is none."""
+        calls: list[ToolCall] = []
+        for event in self.events:
+            if isinstance(event, ToolCallStart):
+                calls.append(
+                    ToolCall(id=event.id, function=FunctionCall(name=event.name, arguments=""))
+                )
+            elif isinstance(event, ToolCallArguments):
+                calls[event.index].function.arguments += event.text
+        return ChatMessage(
+            content=self.content or None,
+            reasoning_content=self.reasoning or UNSET,
+            tool_calls=calls or UNSET,
+        )
+
+
+def _delta_tool_call(start: ToolCallStart | None, index: int, pieces: list[str]) -> DeltaToolCall:
+    arguments = "".join(pieces)
+    if start is None:
+        return DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments))
+    return DeltaToolCall(
+        index=index,
+        id=start.id,
+        type="function",
+        function=DeltaFunctionCall(name=start.name, arguments=arguments),
+    )
+
+
+class ChoiceParsers:
+    """One choice's parsers, fed its visible text delta by delta (or all at once, non-streaming)."""
+
+    def __init__(self, state: ParserState, special_texts: frozenset[str]) -> None:
+        self._reasoning = (
+            ReasoningParser(
+                REASONING_PARSERS[state.reasoning_parser],
+                False if state.in_tool_call else state.thinking,  # a forced call is not thought
+            )
+            if state.reasoning_parser is not None
+            else None
+        )
+        self._tools: ToolParser | None = (
+            TOOL_PARSERS[state.tool_parser](in_tool_call=state.in_tool_call)
+            if state.tool_parser is not None
+            else None
+        )
+        keep = (self._reasoning.markers if self._reasoning else ()) + (
+            self._tools.markers if self._tools else ()
+        )
+        self._special = MarkerFilter(_drop_markers(special_texts, keep))
+
+    @property
+    def num_tool_calls(self) -> int:
+        return self._tools.num_calls if self._tools is not None else 0
+
+    def feed(self, text: str, *, final: bool = False) -> ParsedText:
+        """`final`: the choice's text ends here; everything held back comes out."""
+        text = self._special.feed(text)
+        if final:
+            text += self._special.finish()
+        reasoning, content = "", text
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.feed(text)
+            if final:
+                more_reasoning, more_content = self._reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self._tools is None:
+            return ParsedText(reasoning, [content] if content else [])
+        events = self._tools.feed(content)
+        if final:
+            events += self._tools.finish()
+        return ParsedText(reasoning, events)
+
+
+@cache
+def special_texts(tokenizer: Tokenizer) -> frozenset[str]:
+    """The text of every special token (one tokenizer per worker: computed once)."""
+    texts = (tokenizer.id_to_token(i) for i in tokenizer.special_ids)
+    return frozenset(t for t in texts if t)
+
+
+@cache
+def _drop_markers(special: frozenset[str], keep: tuple[str, ...]) -> Markers:
+    return Markers(special - set(keep))
