@@ -1,0 +1,186 @@
+"""Structured output, tool calls and reasoning through the `openai` SDK on a disaggregated cluster.
+The tiny model writes nonsense on its own: only the constraints make these outputs valid."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.harness import MODEL, Cluster
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["sun", "rain"]}, "maxItems": 3},
+    },
+    "required": ["city", "days", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    return start_cluster("disaggregated")
+
+
+@pytest.fixture(scope="module")
+def oai(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=120, max_retries=0)
+
+
+def chat(oai: openai.OpenAI, **options):
+    options = {"model": MODEL, "messages": ASK, "max_tokens": 120, "temperature": 1.0, **options}
+    return oai.chat.completions.create(**options)
+
+
+def test_json_schema_responses_validate_for_20_seeds(oai) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+
+    def one(seed: int) -> str:
+        result = chat(oai, seed=seed, response_format=response_format)
+        assert result.choices[0].finish_reason == "stop"
+        return result.choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        for content in pool.map(one, range(20)):
+            jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def check_calls(calls, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_tool_choice_always_calls_a_tool(oai, seed: int) -> None:
+    result = chat(oai, seed=seed, tools=[WEATHER, TIME], tool_choice="required")
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_named_tool_choice_calls_that_tool_streaming_and_not(oai, seed: int) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    result = chat(oai, seed=seed, tools=[WEATHER, TIME], tool_choice=named)
+    assert result.choices[0].finish_reason == "tool_calls"
+    check_calls(result.choices[0].message.tool_calls, {"get_time"})
+
+    with oai.chat.completions.stream(
+        model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=seed,
+        tools=[WEATHER, TIME], tool_choice=named,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    check_calls(final.choices[0].message.tool_calls, {"get_time"})
+    streamed = final.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(streamed) == json.loads(
+        result.choices[0].message.tool_calls[0].function.arguments
+    )
+
+
+def test_required_tool_calls_stream(oai) -> None:
+    with oai.chat.completions.stream(
+        model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=9,
+        tools=[WEATHER], tool_choice="required",
+    ) as stream:  # fmt: skip
+        final = stream.get_final_completion()
+    check_calls(final.choices[0].message.tool_calls, {"get_weather"})
+
+
+def test_reasoning_is_split_from_content(oai) -> None:
+    grammar = (
+        "start: <think> /[a-z]{3,8}( [a-z]{3,8}){0,3}/ </think> /[a-z]{3,8}( [a-z]{3,8}){0,3}/"
+    )
+    result = chat(oai, seed=2, extra_body={"guided_grammar": grammar})
+    message = result.choices[0].message
+    assert message.reasoning_content and "<think>" not in message.reasoning_content
+    assert message.content and "think>" not in message.content
+    chunks = list(chat(oai, seed=2, stream=True, extra_body={"guided_grammar": grammar}))
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_completions_guided_regex(oai) -> None:
+    result = oai.completions.create(
+        model=MODEL, prompt="Order number:", max_tokens=20, temperature=1.0, seed=1,
+        extra_body={"guided_regex": "[0-9]{4}-[A-Z]{2}"},
+    )  # fmt: skip
+    assert len(result.choices[0].text) == 7 and result.choices[0].text[4] == "-"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"guided_regex": "[0-9]+", "guided_json": {"type": "object"}}, "guided_regex"),
+        ({"guided_regex": "[unclosed"}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+    ],
+)
+def test_conflicting_or_broken_constraints_are_400(cluster, options, param) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, **options}
+    response = httpx.post(f"{cluster.base_url}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_blocks_are_free_afterwards(cluster) -> None:
+    info = cluster.wait_idle()
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
