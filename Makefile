@@ -32,6 +32,7 @@ lint: $(STAMP)
 
 bench: tiny-model
 	$(PY) bench/engine.py
+	$(PY) bench/guided.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

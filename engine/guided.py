@@ -5,11 +5,13 @@ says, before every sample, which tokens may come next, and consumes each token s
                                       └─▶ generation worker: a new matcher replays the first token
                                           (Sequence.append_token), then masks every step
 
-The mask is computed on the CPU for the rows that need one; unconstrained rows cost nothing.
+The masks are computed on the CPU for the rows that need one, in parallel in llguidance's own
+threads (outside the GIL); unconstrained rows cost nothing.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import llguidance
@@ -22,6 +24,11 @@ from common.sampling_params import GuidedDecoding
 
 _NEG_INF = float("-inf")
 _BITS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word allows token 32 * word + i
+
+
+@cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
 
 
 class GrammarCompiler:
@@ -47,10 +54,13 @@ def apply_grammar_masks(x: torch.Tensor, matchers: list[llguidance.LLMatcher | N
         return False
     vocab_size = x.shape[1]
     words = np.empty((len(rows), (vocab_size + 31) // 32), dtype=np.int32)  # (rows, words)
-    for j, i in enumerate(rows):
-        matcher = matchers[i]
+    if len(rows) == 1:
+        matcher = matchers[rows[0]]
         assert matcher is not None
-        matcher.unsafe_compute_mask_ptr(words[j].ctypes.data, words[j].nbytes)
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    else:  # the rows in parallel, in llguidance's threads, without the GIL
+        work = [(matchers[i], j) for j, i in enumerate(rows)]
+        _executor().unsafe_compute_mask_ptr(work, words.ctypes.data, words[0].nbytes, len(rows))
     bits = (torch.from_numpy(words).unsqueeze(-1) >> _BITS) & 1  # (rows, words, 32)
     allowed = bits.reshape(len(rows), -1)[:, :vocab_size].bool().to(x.device)  # (rows, vocab)
     index = torch.tensor(rows, device=x.device)

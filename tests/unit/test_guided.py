@@ -108,3 +108,26 @@ def test_bad_grammars_are_refused_before_any_worker(tiny_model_path: Path) -> No
         guided.check(guided.lark("start: nope"), tokenizer)
     with pytest.raises(InvalidRequest, match="guided_regex"):
         guided.check(guided.regex("[unclosed"), tokenizer)
+
+
+def test_strict_tools_leave_text_free_until_a_call_opens(tiny_model_path: Path) -> None:
+    import llguidance
+    import numpy as np
+
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    ll = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
+    matcher = llguidance.LLMatcher(ll, guided.triggered_tool_calls([WEATHER]).grammar)
+
+    def allowed() -> set[int]:
+        words = np.zeros(128, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        return set(np.nonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0])
+
+    free_text = tokenizer.encode("Sure, let me look")
+    assert matcher.consume_tokens(free_text)  # any text before a call
+    assert len(allowed()) > 1000
+    assert matcher.consume_tokens(tokenizer.encode("<tool_call>\n"))
+    inside = allowed()  # only what continues {"name": "get_weather", ...
+    assert inside and all(tokenizer.decode([t]).lstrip().startswith("{") for t in inside)
