@@ -56,7 +56,13 @@ class PostprocWorkersConfig(_Section):
 
 
 class KVEventsConfig(_Section):
-    zmq: ZmqAddress | None = None  # PUB endpoint for vLLM-compatible EventBatches
+    """vLLM-compatible KV-event publishing. Engine worker k (generation workers first, then
+    context workers) binds the endpoint's port + k, and its replay socket replay_zmq's port + k."""
+
+    zmq: ZmqAddress | None = None  # PUB endpoint base, e.g. tcp://127.0.0.1:5557
+    replay_zmq: ZmqAddress | None = None  # replay ROUTER endpoint base
+    topic: str = ""
+    buffer_steps: Positive = 10_000  # batches kept for replay
 
 
 class KVCacheConfig(_Section):

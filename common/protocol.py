@@ -2,6 +2,8 @@
 
     frontend ──GenerateRequest / Abort──────────────▶ orchestrator (ROUTER)
     frontend, CLI ──ClusterInfoRequest──────────────▶ orchestrator ──ClusterInfo──▶ asker
+    frontend ──DrainKVEvents────────────────────────▶ orchestrator ──KVEventsDrained──▶ frontend
+    context / generation worker ──KVEvents──────────▶ orchestrator (kv_aware router, event queue)
     orchestrator ──RequestFailed────────────────────▶ frontend
     worker ──Register / Heartbeat───────────────────▶ orchestrator ──Registered / Refused──▶ worker
     orchestrator ──RegisterAgain────────────────────▶ worker it does not know (it restarted)
@@ -28,6 +30,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from common.kv_events import KVEvent
 from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -119,6 +122,8 @@ class Register(_Message, tag="register"):
     pid: int
     address: str = ""  # the worker's own PULL address (postproc: where TokenBatches go)
     kv_pool: KVPool | None = None  # context workers: the pool generation workers read from
+    num_blocks: int = 0  # engine workers: the size of the KV pool (TensorRT-LLM's created event)
+    events_address: str = ""  # engine workers publishing KV events: the PUB endpoint
 
 
 class Registered(_Message, tag="registered"):
@@ -140,17 +145,24 @@ class RegisterAgain(_Message, tag="register_again"):
 
 
 class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Sent with each heartbeat: what /cluster_info and the routers need."""
+    """Sent with each heartbeat: what /cluster_info, /metrics and the routers need. Totals count
+    since the worker started."""
 
     active_requests: int = 0
     active_tokens: int = 0
+    num_running: int = 0  # sequences in the engine's batch
+    num_waiting: int = 0  # sequences queued in the engine (or decode requests waiting for blocks)
     blocks_used: int = 0
     blocks_cached: int = 0
     blocks_total: int = 0
     blocks_leased: int = 0
-    prompt_tokens_computed: int = 0  # since start: a pulled prompt is not recomputed
-    kv_bytes_pulled: int = 0  # since start, over NIXL
+    prompt_tokens_computed: int = 0  # a pulled prompt is not recomputed
+    generation_tokens: int = 0  # tokens sampled
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # ... and found there
+    kv_bytes_pulled: int = 0  # over NIXL
     kv_pull_seconds: float = 0.0
+    kv_pull_failures: int = 0
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -216,23 +228,31 @@ class ClusterInfoRequest(_Message, tag="cluster_info_request"):
     pass
 
 
-class WorkerInfo(msgspec.Struct, omit_defaults=False, kw_only=True):
-    """One row of `orchestrator status` and GET /cluster_info."""
+class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
+    """One row of `orchestrator status` and GET /cluster_info: who, where, and its last stats."""
 
     worker_id: str
     role: str  # orchestrator | context | generation | postproc | frontend
     pid: int
     address: str
     state: str  # ready | dead
-    active_requests: int = 0
-    blocks_used: int = 0
-    blocks_cached: int = 0
-    blocks_total: int = 0
-    blocks_leased: int = 0
-    prompt_tokens_computed: int = 0
-    kv_bytes_pulled: int = 0
-    kv_pull_seconds: float = 0.0
+    events_address: str = ""  # its KV-event PUB socket, if it publishes
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
+
+
+class KVEvents(_Message, tag="kv_events"):
+    """A worker's prefix-cache changes since its last step (engine workers, when any)."""
+
+    worker_id: str
+    events: list[KVEvent]
+
+
+class DrainKVEvents(_Message, tag="drain_kv_events"):
+    """Frontend → orchestrator: POST /kv_cache_events."""
+
+
+class KVEventsDrained(_Message, tag="kv_events_drained"):
+    events_json: bytes  # a JSON array in TensorRT-LLM's shape
 
 
 class ClusterInfo(_Message, tag="cluster_info"):
@@ -255,6 +275,8 @@ class Chunk(_Message, tag="chunk"):
     data: bytes
     done: bool = False
     status_code: int = 200
+    prompt_tokens: int = 0  # on the ending chunk: the request's usage, for the frontend's metrics
+    completion_tokens: int = 0
 
 
 Message = (
@@ -274,6 +296,9 @@ Message = (
     | Chunk
     | ClusterInfoRequest
     | ClusterInfo
+    | KVEvents
+    | DrainKVEvents
+    | KVEventsDrained
 )
 
 _encoder = msgspec.msgpack.Encoder()

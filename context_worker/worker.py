@@ -33,7 +33,14 @@ from common.worker_link import OrchestratorLink, PushSockets
 from context_worker.leases import LeaseTable
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
-from engine.serving import configure_torch, engine_config, extra_keys, to_delta, worker_stats
+from engine.serving import (
+    KVEventRelay,
+    configure_torch,
+    engine_config,
+    extra_keys,
+    to_delta,
+    worker_stats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +63,12 @@ class ContextWorker:
         self.prefilling: dict[str, PrefillRequest] = {}
         self.first_tokens: dict[str, list[TokenDelta]] = {}
         self.push = PushSockets(context)
+        self.events = KVEventRelay(config, worker_id, context)
         register = Register(
             worker_id=worker_id,
             role="context",
+            num_blocks=config.kv_cache.num_blocks,
+            events_address=self.events.events_address,
             protocol_version=PROTOCOL_VERSION,
             pid=os.getpid(),
             kv_pool=self.agent.info(),
@@ -85,6 +95,7 @@ class ContextWorker:
         self.end_leases()
         if self.engine.has_unfinished():
             self.collect(self.run_engine_step())
+        self.events.relay(self.engine, self.link)
         self.link.heartbeat_if_due()
 
     def run_engine_step(self) -> list[TokenOutput]:
@@ -182,6 +193,7 @@ class ContextWorker:
         self.leases.release(request_id)
 
     def close(self) -> None:
+        self.events.close()
         self.agent.close()
         self.push.close()
         self.link.socket.close()

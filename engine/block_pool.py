@@ -25,32 +25,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(slots=True)
-class BlockStored:
-    """Full blocks entered the prefix cache; `token_ids` holds all their tokens, concatenated."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None  # hash of the block before block_hashes[0]
-    token_ids: list[int]
-    block_size: int
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """Blocks were evicted: their hashes no longer resolve on this worker."""
-
-    block_hashes: list[int]
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    """The whole prefix cache was dropped (reset_prefix_cache)."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):

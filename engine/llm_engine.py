@@ -62,6 +62,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model
+        self.num_generated_tokens = 0  # tokens sampled
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
         )
@@ -186,11 +187,12 @@ class LLMEngine:
             return []
         seqs, logits = self.runner.run(out)
         self.num_prompt_tokens_computed += sum(
-            max(0, min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens + c.num_new_tokens))
+            min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens + c.num_new_tokens)
             - min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens)
             for c in out.chunks
         )
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
+        self.num_generated_tokens += len(seqs)
         self.scheduler.postprocess(out, seqs, sampled)
         return [self._output(seq, row, sampled) for row, seq in enumerate(seqs)]
 

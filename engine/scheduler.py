@@ -59,6 +59,8 @@ class Scheduler:
         self.held: dict[str, list[Sequence]] = {}  # request id -> its prefill-only sequences
         self.pulling: dict[str, list[Sequence]] = {}  # request id -> lead sequence + its siblings
         self._arrivals = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # ... and found there
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_order = self._arrivals
@@ -101,6 +103,7 @@ class Scheduler:
         if not self.kv.allocate_slots(lead.seq_id, num_tokens, blocks):
             return None
         lead.num_computed_tokens = min(num_cached, num_tokens)
+        self._count_lookup(num_tokens, lead.num_computed_tokens)
         for seq in seqs:
             seq.status = SequenceStatus.PULLING
         self.pulling[lead.request_id] = seqs
@@ -173,12 +176,17 @@ class Scheduler:
             self.waiting.popleft()
             if not seq.output_token_ids:  # a first admission, not a recompute or a pulled request
                 seq.num_cached_prompt_tokens = num_cached
+                self._count_lookup(seq.num_prompt_tokens, num_cached)
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return budget
+
+    def _count_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queried_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_hit_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 
 import torch
+import zmq
 
 from common.block_hash import ExtraKey
 from common.config import ClusterConfig
-from common.protocol import GenerateRequest, TokenDelta, WorkerStats
+from common.kv_events import KVEventPublisher
+from common.protocol import GenerateRequest, KVEvents, TokenDelta, WorkerStats
+from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, TokenOutput
 
@@ -27,6 +30,24 @@ def engine_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+
+
+def event_endpoints(config: ClusterConfig, worker_id: str) -> tuple[str | None, str | None]:
+    """This worker's KV-event PUB and replay endpoints (None: not publishing), offset by its
+    position among the engine workers so that one base port serves the whole cluster."""
+    events = config.kv_cache.events
+    role, _, index = worker_id.rpartition("-")
+    offset = int(index) if index.isdigit() else 0
+    if role == "ctx":
+        offset += config.generation_workers.count
+    return _offset(events.zmq, offset), _offset(events.replay_zmq, offset)
+
+
+def _offset(endpoint: str | None, offset: int) -> str | None:
+    if endpoint is None:
+        return None
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + offset}" if port.isdigit() and int(port) else endpoint
 
 
 def configure_torch(config: ClusterConfig) -> None:
@@ -59,16 +80,54 @@ def to_delta(out: TokenOutput) -> TokenDelta:
     )
 
 
-def worker_stats(engine: LLMEngine, active_requests: int) -> WorkerStats:
+def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -> WorkerStats:
+    """`num_queued`: requests the worker holds outside the engine (waiting for blocks)."""
     usage = engine.kv.usage
     scheduler = engine.scheduler
     active_tokens = sum(s.num_tokens for s in [*scheduler.running, *scheduler.waiting])
     return WorkerStats(
         active_requests=active_requests,
         active_tokens=active_tokens,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + num_queued,
         blocks_used=usage.used,
         blocks_cached=usage.cached,
         blocks_total=usage.total,
         blocks_leased=engine.num_held_blocks,
         prompt_tokens_computed=engine.num_prompt_tokens_computed,
+        generation_tokens=engine.num_generated_tokens,
+        prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
+        prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
     )
+
+
+class KVEventRelay:
+    """Each step, the engine's new KV events go to the orchestrator (routing, /kv_cache_events)
+    and, when configured, out on the worker's vLLM-compatible PUB socket."""
+
+    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+        self.worker_id = worker_id
+        endpoint, replay = event_endpoints(config, worker_id)
+        events = config.kv_cache.events
+        self.publisher = (
+            KVEventPublisher(context, endpoint, replay, events.topic, events.buffer_steps)
+            if endpoint is not None
+            else None
+        )
+
+    @property
+    def events_address(self) -> str:
+        return self.publisher.endpoint if self.publisher is not None else ""
+
+    def relay(self, engine: LLMEngine, link: OrchestratorLink) -> None:
+        events = engine.kv.take_events()
+        if events:
+            link.send(KVEvents(worker_id=self.worker_id, events=events))
+            if self.publisher is not None:
+                self.publisher.publish(events)
+        if self.publisher is not None:
+            self.publisher.serve_replay()
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()

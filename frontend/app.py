@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,7 +25,7 @@ from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import Chunk, GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
-from frontend import anthropic, chat, completions
+from frontend import anthropic, chat, completions, metrics
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
@@ -188,6 +189,17 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             return error_response(503, "the orchestrator does not answer", code="unhealthy")
         return Response(msgspec.json.encode(info), media_type="application/json")
 
+    async def kv_cache_events(request: Request) -> Response:
+        """Drains the cluster's KV-event queue (TensorRT-LLM's shape); a router polls it."""
+        drained = await client.drain_kv_events(HEALTH_TIMEOUT_S)
+        if drained is None:
+            return error_response(503, "the orchestrator does not answer", code="unhealthy")
+        return Response(drained.events_json, media_type="application/json")
+
+    async def prometheus_metrics(request: Request) -> Response:
+        info = await client.cluster_info(HEALTH_TIMEOUT_S)
+        return Response(metrics.render(info), media_type=CONTENT_TYPE_LATEST)
+
     async def openapi(request: Request) -> Response:
         return _json(openapi_document())
 
@@ -211,6 +223,8 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/cluster_info", cluster_info, methods=["GET"]),
+        Route("/kv_cache_events", kv_cache_events, methods=["POST"]),
+        Route("/metrics", prometheus_metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     app = Starlette(
@@ -224,6 +238,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     )
     if config.frontend.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.frontend.api_key)
+    app.add_middleware(metrics.RequestCounter, routes=frozenset(r.path for r in routes))
     return app
 
 

@@ -16,7 +16,8 @@ import contextlib
 import logging
 import os
 import sys
-from collections import deque
+from collections import defaultdict, deque
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -28,8 +29,10 @@ from common.protocol import (
     Chunk,
     ClusterInfo,
     ClusterInfoRequest,
+    DrainKVEvents,
     GenerateRequest,
     Heartbeat,
+    KVEventsDrained,
     Message,
     Refused,
     Register,
@@ -43,6 +46,7 @@ from common.transport import async_recv, async_send, bind_random_port, make_sock
 logger = logging.getLogger(__name__)
 
 Event = Chunk | RequestFailed
+T = TypeVar("T")
 
 
 class ClusterClient:
@@ -63,7 +67,8 @@ class ClusterClient:
             address=http_url,
         )
         self.open: dict[str, asyncio.Queue[Event]] = {}
-        self._info_waiters: deque[asyncio.Future[ClusterInfo]] = deque()
+        # Replies from the orchestrator come in request order, per kind: FIFO waiters per type.
+        self._waiters: dict[type, deque[asyncio.Future[Any]]] = defaultdict(deque)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -104,9 +109,15 @@ class ClusterClient:
 
     async def cluster_info(self, timeout_s: float) -> ClusterInfo | None:
         """The orchestrator's table, or None when it does not answer in time."""
-        waiter: asyncio.Future[ClusterInfo] = asyncio.get_running_loop().create_future()
-        self._info_waiters.append(waiter)
-        await async_send(self.dealer, ClusterInfoRequest())
+        return await self._ask(ClusterInfoRequest(), ClusterInfo, timeout_s)
+
+    async def drain_kv_events(self, timeout_s: float) -> KVEventsDrained | None:
+        return await self._ask(DrainKVEvents(), KVEventsDrained, timeout_s)
+
+    async def _ask(self, question: Message, answer: type[T], timeout_s: float) -> T | None:
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._waiters[answer].append(waiter)
+        await async_send(self.dealer, question)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
@@ -126,9 +137,10 @@ class ClusterClient:
     def _on_orchestrator(self, message: Message | None) -> None:
         if isinstance(message, RequestFailed):
             self._deliver(message.request_id, message)
-        elif isinstance(message, ClusterInfo):
-            while self._info_waiters:  # answers come in order; drop waiters that timed out
-                waiter = self._info_waiters.popleft()
+        elif isinstance(message, ClusterInfo | KVEventsDrained):
+            waiters = self._waiters[type(message)]
+            while waiters:  # answers come in order; skip waiters that timed out
+                waiter = waiters.popleft()
                 if not waiter.done():
                     waiter.set_result(message)
                     break

@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from common.errors import error_body
 from common.openai_schema import Completion, PromptTokensDetails, Usage
 from common.protocol import Chunk, GenerateRequest, RequestFailed
+from frontend import metrics
 from frontend.cluster_client import ClusterClient, Event
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ async def serve(
     started = time.perf_counter()
     queues = [await client.submit(g) for g in generates]
     firsts = await _first_events(queues, request)
-    logger.debug("%s: first answer after %.1f ms", ids[0], (time.perf_counter() - started) * 1e3)
     if firsts is None:  # the client left before anything came back
         for request_id in ids:
             client.abort(request_id)
@@ -80,14 +80,17 @@ async def serve(
             for request_id in ids:
                 client.abort(request_id)
             return failure
+    ttft_s = time.perf_counter() - started
     chunks: list[Chunk] = [e for e in firsts if isinstance(e, Chunk)]
     if not generates[0].output.stream:
         for request_id in ids:
             client.done(request_id)
         body = chunks[0].data if len(chunks) == 1 else merge_bodies([c.data for c in chunks])
+        prompt, completion = _usage(chunks)
+        metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False)
         return Response(body, media_type="application/json")
     return StreamingResponse(
-        _relay(client, ids, chunks, queues, media),
+        _relay(client, ids, chunks, queues, media, started, ttft_s),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
@@ -116,11 +119,14 @@ async def _relay(
     firsts: list[Chunk],
     queues: list[asyncio.Queue[Event]],
     media: str,
+    started: float,
+    ttft_s: float,
 ) -> AsyncIterator[bytes]:
     """SSE bytes until every sub-request is done. A failure sends a final error frame; a client
     that leaves (the generator is closed) aborts what is still running."""
     open_ids = set(ids)
     finals: list[bytes] = []
+    endings: list[Chunk] = []
     merged: asyncio.Queue[tuple[str, Event]] = asyncio.Queue()
     pumps = [
         asyncio.create_task(_pump(request_id, first, queue, merged))
@@ -137,6 +143,7 @@ async def _relay(
                 yield event.data
                 continue
             open_ids.discard(request_id)
+            endings.append(event)
             client.done(request_id)
             if len(ids) == 1:
                 yield event.data
@@ -144,6 +151,9 @@ async def _relay(
                 finals.append(event.data)
         if finals:
             yield merge_stream_endings(finals)
+        prompt, completion = _usage(endings)
+        e2e_s = time.perf_counter() - started
+        metrics.observe_generation(ttft_s, e2e_s, prompt, completion, streamed=True)
     finally:
         for task in pumps:
             task.cancel()
@@ -163,6 +173,10 @@ async def _pump(
         if isinstance(event, RequestFailed) or event.done:
             return
         event = await queue.get()
+
+
+def _usage(endings: list[Chunk]) -> tuple[int, int]:
+    return sum(c.prompt_tokens for c in endings), sum(c.completion_tokens for c in endings)
 
 
 def merge_bodies(bodies: list[bytes]) -> bytes:

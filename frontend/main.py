@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import tempfile
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
 from common.entrypoint import parse_args, setup_logging
-from frontend.app import build_app
-from frontend.cluster_client import ClusterClient
-from frontend.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +31,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def run(argv: list[str] | None = None) -> None:
     config, worker_id = parse_args("HTTP frontend", argv)
     setup_logging(worker_id)
+    # prometheus_client reads this at import: the frontend processes of one port share the
+    # directory the supervisor made (a lone frontend gets its own).
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pdcluster-metrics-")
+    from frontend.app import build_app
+    from frontend.cluster_client import ClusterClient
+    from frontend.model_info import load_model_info
+
     host, port = config.frontend.host, config.frontend.port
     url = f"http://{host}:{port}"
     client = ClusterClient(config, worker_id, url)

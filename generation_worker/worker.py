@@ -35,7 +35,14 @@ from common.protocol import (
 from common.worker_link import OrchestratorLink, PushSockets
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
-from engine.serving import configure_torch, engine_config, extra_keys, to_delta, worker_stats
+from engine.serving import (
+    KVEventRelay,
+    configure_torch,
+    engine_config,
+    extra_keys,
+    to_delta,
+    worker_stats,
+)
 from generation_worker.pulls import Pull, plan_read
 
 logger = logging.getLogger(__name__)
@@ -78,10 +85,14 @@ class GenerationWorker:
         self.outbox: dict[str, TokenBatch] = {}  # postproc address -> this step's tokens
         self.kv_bytes_pulled = 0
         self.kv_pull_seconds = 0.0
+        self.kv_pull_failures = 0
         self.push = PushSockets(context)
+        self.events = KVEventRelay(config, worker_id, context)
         register = Register(
             worker_id=worker_id,
             role="generation",
+            num_blocks=config.kv_cache.num_blocks,
+            events_address=self.events.events_address,
             protocol_version=PROTOCOL_VERSION,
             pid=os.getpid(),
         )
@@ -94,9 +105,10 @@ class GenerationWorker:
         )
 
     def stats(self) -> WorkerStats:
-        stats = worker_stats(self.engine, len(self.active))
+        stats = worker_stats(self.engine, len(self.active), len(self.waiting) + len(self.pulls))
         stats.kv_bytes_pulled = self.kv_bytes_pulled
         stats.kv_pull_seconds = self.kv_pull_seconds
+        stats.kv_pull_failures = self.kv_pull_failures
         return stats
 
     def on_registered(self, registered: Registered) -> None:
@@ -112,6 +124,7 @@ class GenerationWorker:
         if self.engine.has_unfinished():
             self.emit(self.run_engine_step())
         self.flush()
+        self.events.relay(self.engine, self.link)
         self.link.heartbeat_if_due()
 
     def run_engine_step(self) -> list[TokenOutput]:
@@ -256,6 +269,7 @@ class GenerationWorker:
     def pull_failed(self, request_id: str, error: str | None) -> None:
         """The READ failed or timed out (and is cancelled): recompute here, or fail the request."""
         pull = self.pulls.pop(request_id)
+        self.kv_pull_failures += 1
         recompute = self.config.transfer.recompute_on_failure
         source = pull.decode.prefill.agent_name if pull.decode.prefill else "?"
         logger.warning(
@@ -370,6 +384,7 @@ class GenerationWorker:
         self.end(active)
 
     def close(self) -> None:
+        self.events.close()
         self.agent.close()
         self.push.close()
         self.link.socket.close()

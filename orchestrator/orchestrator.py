@@ -22,14 +22,18 @@ from dataclasses import dataclass
 
 from common.block_hash import block_hashes
 from common.config import ClusterConfig
+from common.kv_events import BlockRemoved, BlockStored
 from common.protocol import (
     PROTOCOL_VERSION,
     Abort,
     ClusterInfo,
     ClusterInfoRequest,
     DecodeRequest,
+    DrainKVEvents,
     GenerateRequest,
     Heartbeat,
+    KVEvents,
+    KVEventsDrained,
     Message,
     PrefillDone,
     PrefillRequest,
@@ -42,6 +46,7 @@ from common.protocol import (
     WorkerInfo,
     decode_token_ids,
 )
+from orchestrator.kv_event_log import KVEventLog
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import PrefixIndex, make_router
 
@@ -84,7 +89,8 @@ class Orchestrator:
         self.config = config
         self.address = address
         self.registry = Registry(config.orchestrator.worker_timeout_seconds)
-        self.prefix_index = PrefixIndex()  # fed by KV events (observability issue)
+        self.prefix_index = PrefixIndex()  # fed by the workers' KV events
+        self.kv_events = KVEventLog()
         block_size = config.kv_cache.block_size
         self.context_router = make_router(config.orchestrator.router, self.prefix_index, block_size)
         self.generation_router = make_router(
@@ -113,6 +119,10 @@ class Orchestrator:
             self.on_register(sender, message, now, out)
         elif isinstance(message, ClusterInfoRequest):
             out.append((sender, self.cluster_info(now)))
+        elif isinstance(message, KVEvents):
+            self.on_kv_events(message)
+        elif isinstance(message, DrainKVEvents):
+            out.append((sender, KVEventsDrained(events_json=self.kv_events.drain())))
         else:
             logger.warning("ignored a %s from %r", type(message).__name__, sender)
         return out
@@ -147,9 +157,23 @@ class Orchestrator:
             logger.warning("%s restarted (pid %d -> %d)", message.worker_id, old.pid, message.pid)
             self.worker_lost(old, out)
         logger.info("%s %s registered (pid %d)", message.role, message.worker_id, message.pid)
+        if message.role in ("context", "generation"):
+            self.prefix_index.cleared(message.worker_id)  # a new process starts with no cache
+            self.kv_events.created(message.worker_id, message.num_blocks)
         out.append((sender, self.peers()))
         if message.role in ("context", "postproc"):
             self.broadcast_peers(out, skip=message.worker_id)
+
+    def on_kv_events(self, message: KVEvents) -> None:
+        index, worker_id = self.prefix_index, message.worker_id
+        for event in message.events:
+            if isinstance(event, BlockStored):
+                index.stored(worker_id, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                index.removed(worker_id, event.block_hashes)
+            else:
+                index.cleared(worker_id)
+        self.kv_events.record(worker_id, message.events)
 
     def peers(self) -> Registered:
         addresses = [w.address for w in self.registry.ready("postproc")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+import msgspec
+
 from common.protocol import KVPool, Register, WorkerInfo, WorkerStats
 
 
@@ -21,6 +23,7 @@ class WorkerRecord:
     address: str
     kv_pool: KVPool | None
     last_seen: float
+    events_address: str = ""
     state: str = "ready"  # ready | dead
     stats: WorkerStats = field(default_factory=WorkerStats)
     active_tokens: int = 0  # prompt + max_tokens of the requests routed here and not yet ended
@@ -31,21 +34,16 @@ class WorkerRecord:
         return self.state == "ready"
 
     def info(self, now: float) -> WorkerInfo:
-        s = self.stats
+        stats = msgspec.structs.asdict(self.stats)
+        stats["active_requests"] = max(len(self.request_ids), self.stats.active_requests)
         return WorkerInfo(
+            **stats,
             worker_id=self.worker_id,
             role=self.role,
             pid=self.pid,
             address=self.address,
             state=self.state,
-            active_requests=max(len(self.request_ids), s.active_requests),
-            blocks_used=s.blocks_used,
-            blocks_cached=s.blocks_cached,
-            blocks_total=s.blocks_total,
-            blocks_leased=s.blocks_leased,
-            prompt_tokens_computed=s.prompt_tokens_computed,
-            kv_bytes_pulled=s.kv_bytes_pulled,
-            kv_pull_seconds=s.kv_pull_seconds,
+            events_address=self.events_address,
             last_heartbeat_s=round(now - self.last_seen, 3),
         )
 
@@ -65,6 +63,7 @@ class Registry:
             address=message.address,
             kv_pool=message.kv_pool,
             last_seen=now,
+            events_address=message.events_address,
         )
         return old
 

@@ -17,9 +17,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -44,15 +46,24 @@ class ProcessSpec:
     worker_id: str
     role: str  # orchestrator | context | generation | postproc | frontend
     argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # set on top of the supervisor's environment
 
 
-def process_specs(config: ClusterConfig, config_path: str | None) -> list[ProcessSpec]:
-    """Every process `orchestrator up` starts, orchestrator first (the others register with it)."""
+def process_specs(
+    config: ClusterConfig, config_path: str | None, metrics_dir: str | None = None
+) -> list[ProcessSpec]:
+    """Every process `orchestrator up` starts, orchestrator first (the others register with it).
+    The frontends share `metrics_dir`, prometheus_client's multiprocess directory."""
     tail = ("--config", config_path) if config_path else ()
 
     def spec(worker_id: str, role: str, module: str, named: bool = True) -> ProcessSpec:
         name = ("--worker-id", worker_id) if named else ()
-        return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail))
+        env = (
+            (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),)
+            if role == "frontend" and metrics_dir
+            else ()
+        )
+        return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail), env)
 
     specs = [spec("orchestrator", "orchestrator", "orchestrator.main", named=False)]
     if config.mode == "disaggregated":
@@ -100,7 +111,10 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         child.process = subprocess.Popen(
-            child.spec.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
+            child.spec.argv,
+            env={**os.environ, **dict(child.spec.env)} if child.spec.env else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         child.started_at = time.monotonic()
         logger.info("started %s (pid %d)", child.spec.worker_id, child.process.pid)
@@ -318,7 +332,8 @@ def run_cluster(
     """Start, wait until serving, print the table, supervise until a signal; 0 on a clean stop."""
     stop = StopRequest()
     stop.install()
-    specs = process_specs(config, config_path)
+    metrics_dir = tempfile.mkdtemp(prefix="pdcluster-metrics-")  # fresh: no stale counters
+    specs = process_specs(config, config_path, metrics_dir)
     supervisor = Supervisor(specs)
     host = config.frontend.host
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -346,3 +361,4 @@ def run_cluster(
         return 0
     finally:
         supervisor.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -146,6 +146,10 @@ class RequestState:
             return None
         return state if state.active else None
 
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
     def add(self, delta: TokenDelta) -> StepOutput:
         """Feed one choice's new tokens; late ones (request done, or choice stopped) are dropped."""
         if self._parser_error is not None:

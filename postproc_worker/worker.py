@@ -96,7 +96,13 @@ class PostprocWorker:
             if text:
                 self.push.send(address, Chunk(request_id=delta.request_id, data=text))
             if out.done:
-                ending = Chunk(request_id=delta.request_id, data=out.ending, done=True)
+                ending = Chunk(
+                    request_id=delta.request_id,
+                    data=out.ending,
+                    done=True,
+                    prompt_tokens=state.num_prompt_tokens,
+                    completion_tokens=state.num_completion_tokens,
+                )
                 self.push.send(address, ending)
                 self.end(delta.request_id, upstream=out.abort_upstream)
 

@@ -16,17 +16,21 @@ from tests.integration.harness import Cluster, stop, wait_healthy, write_config
 def start_cluster(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ) -> Iterator[Callable[..., Cluster]]:
-    """A factory: start_cluster(mode, extra_yaml, frontend_yaml) -> Cluster; all are stopped after
-    the module."""
+    """A factory: start_cluster(mode, extra=, frontend=, api_key=, kv_cache=) -> Cluster (the
+    strings are YAML keys to add); every cluster is stopped after the module."""
     started: list[tuple[Cluster, list[int]]] = []
 
     def start(
-        mode: str, extra: str = "", frontend: str = "", api_key: str | None = None
+        mode: str,
+        extra: str = "",
+        frontend: str = "",
+        api_key: str | None = None,
+        kv_cache: str = "",
     ) -> Cluster:
         tmp = tmp_path_factory.mktemp(f"cluster-{mode}")
         if api_key:
             frontend = ", ".join(filter(None, [frontend, f"api_key: {api_key}"]))
-        config_path, port = write_config(tmp / "cluster.yaml", mode, extra, frontend)
+        config_path, port = write_config(tmp / "cluster.yaml", mode, extra, frontend, kv_cache)
         log_path = tmp / "cluster.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(

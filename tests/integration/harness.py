@@ -75,17 +75,20 @@ class Cluster:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-def write_config(path: Path, mode: str, extra: str = "", frontend: str = "") -> tuple[Path, int]:
+def write_config(
+    path: Path, mode: str, extra: str = "", frontend: str = "", kv_cache: str = ""
+) -> tuple[Path, int]:
     """cluster.yaml on free loopback ports; `extra`: more top-level keys, `frontend`: its keys."""
     port = free_port()
     frontend = f", {frontend}" if frontend else ""
+    kv_cache = f", {kv_cache}" if kv_cache else ""
     path.write_text(
         f"model: {MODEL}\n"
         f"mode: {mode}\n"
         f"frontend: {{host: 127.0.0.1, port: {port}{frontend}}}\n"
         f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware,'
         f" worker_timeout_seconds: 5}}\n"
-        f"kv_cache: {{block_size: 16, num_blocks: 512}}\n"
+        f"kv_cache: {{block_size: 16, num_blocks: 512{kv_cache}}}\n"
         f"postproc_workers: {{count: 2}}\n"
         f"{extra}"
     )
