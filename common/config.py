@@ -32,7 +32,8 @@ class FrontendConfig(_Section):
 
 
 class OrchestratorConfig(_Section):
-    address: ZmqAddress = "tcp://127.0.0.1:5550"
+    address: ZmqAddress = "tcp://127.0.0.1:5550"  # what every process dials
+    bind: ZmqAddress | None = None  # what the orchestrator binds, if not `address` (tcp://*:5550)
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
     max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 0  # shorter prompts skip P/D
     heartbeat_interval_seconds: Annotated[float, msgspec.Meta(gt=0)] = 0.5
@@ -56,8 +57,9 @@ class PostprocWorkersConfig(_Section):
 
 
 class KVEventsConfig(_Section):
-    """vLLM-compatible KV-event publishing. Engine worker k (generation workers first, then
-    context workers) binds the endpoint's port + k, and its replay socket replay_zmq's port + k."""
+    """vLLM-compatible KV-event publishing. On loopback, engine worker k (generation workers
+    first, then context workers) binds the endpoint's port + k, and its replay socket
+    replay_zmq's port + k; on any other address (a pod each) all bind the given ports."""
 
     zmq: ZmqAddress | None = None  # PUB endpoint base, e.g. tcp://127.0.0.1:5557
     replay_zmq: ZmqAddress | None = None  # replay ROUTER endpoint base
@@ -93,6 +95,8 @@ class ClusterConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
+    advertise_host: str | None = None  # the host peers dial for those (a pod IP); internal_host
+
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     context_workers: ContextWorkersConfig = ContextWorkersConfig()

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
 import zmq
 
 from common.config import ClusterConfig, load_cluster_config
@@ -25,8 +26,13 @@ def parse_args(description: str, argv: list[str] | None = None) -> tuple[Cluster
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="cluster.yaml (default: the built-in local cluster)")
     parser.add_argument("--worker-id", required=True, help="unique name, e.g. gen-0")
+    parser.add_argument(
+        "--advertise-host", help="the address peers dial for this process (e.g. its pod IP)"
+    )
     args = parser.parse_args(argv)
     config = load_cluster_config(args.config) if args.config else ClusterConfig()
+    if args.advertise_host:
+        config = msgspec.structs.replace(config, advertise_host=args.advertise_host)
     return config, args.worker_id
 
 

@@ -38,10 +38,11 @@ def make_socket(
     return sock
 
 
-def bind_random_port(sock: zmq.Socket, host: str) -> str:
-    """Bind to a free TCP port on `host`; returns the address peers connect to."""
+def bind_random_port(sock: zmq.Socket, host: str, advertise_host: str | None = None) -> str:
+    """Bind to a free TCP port on `host`; returns the address peers connect to (on
+    `advertise_host` when the bind address is not dialable, like 0.0.0.0 in a pod)."""
     port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+    return f"tcp://{advertise_host or host}:{port}"
 
 
 def parse(frame: bytes, source: str) -> Message | None:

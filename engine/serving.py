@@ -33,8 +33,9 @@ def engine_config(
 
 
 def event_endpoints(config: ClusterConfig, worker_id: str) -> tuple[str | None, str | None]:
-    """This worker's KV-event PUB and replay endpoints (None: not publishing), offset by its
-    position among the engine workers so that one base port serves the whole cluster."""
+    """This worker's KV-event PUB and replay endpoints (None: not publishing). On a loopback
+    address every engine worker shares one host, so each takes the base port + its position
+    among the engine workers; elsewhere (a pod each) they all bind the configured port."""
     events = config.kv_cache.events
     role, _, index = worker_id.rpartition("-")
     offset = int(index) if index.isdigit() else 0
@@ -47,7 +48,8 @@ def _offset(endpoint: str | None, offset: int) -> str | None:
     if endpoint is None:
         return None
     base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + offset}" if port.isdigit() and int(port) else endpoint
+    loopback = base.endswith(("//127.0.0.1", "//localhost", "//[::1]"))
+    return f"{base}:{int(port) + offset}" if loopback and port.isdigit() else endpoint
 
 
 def configure_torch(config: ClusterConfig) -> None:

@@ -73,6 +73,22 @@ def status(config_path: str | None) -> int:
     return 0
 
 
+def probe(worker_id: str, config_path: str | None) -> int:
+    """0 when the orchestrator lists `worker_id` as ready: a worker's Kubernetes probe (workers
+    serve no HTTP; being registered and heartbeating is their health)."""
+    config = load_config(config_path)
+    if config is None:
+        return 2
+    info = query_cluster_info(config.orchestrator.address, timeout_s=STATUS_TIMEOUT_S)
+    if info is None:
+        print("error: the orchestrator did not answer", file=sys.stderr)
+        return 1
+    ready = any(w.worker_id == worker_id and w.state == "ready" for w in info.workers)
+    if not ready:
+        print(f"error: {worker_id} is not registered and ready", file=sys.stderr)
+    return 0 if ready else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("path", nargs="?", help="output directory (default: the builtin:tiny cache)")
     start = commands.add_parser("up", help="start the cluster and keep it running until Ctrl-C")
     report = commands.add_parser("status", help="print the running cluster's workers as JSON")
+    check = commands.add_parser("probe", help="exit 0 when a worker is registered and ready")
+    check.add_argument("worker_id")
+    check.add_argument("config", nargs="?", help="cluster.yaml (default: the built-in one)")
     for command in (start, report):
         command.add_argument(
             "config", nargs="?", help="cluster.yaml (default: the built-in local cluster)"
@@ -99,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return up(args.config, args.timeout)
     if args.command == "status":
         return status(args.config)
+    if args.command == "probe":
+        return probe(args.worker_id, args.config)
     return 2
 
 

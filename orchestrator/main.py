@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     address = config.orchestrator.address
     sock = make_socket(context, zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its old identity
-    sock.bind(address)
+    sock.bind(config.orchestrator.bind or address)
     orchestrator = Orchestrator(config, address)
     logger.info(
         "listening on %s (mode %s, router %s)", address, config.mode, config.orchestrator.router

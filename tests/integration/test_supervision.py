@@ -46,7 +46,7 @@ def test_killed_generation_worker_is_restarted_and_serves_again(start_cluster) -
     assert generation[0].pid == pid and generation[0].kv_bytes_pulled > 0  # NIXL re-peered
 
 
-def test_status_command_prints_the_cluster_info_table(start_cluster) -> None:
+def test_status_and_probe_commands(start_cluster) -> None:
     cluster = start_cluster("aggregated")
     config_path = cluster.log_path.parent / "cluster.yaml"
     result = subprocess.run(
@@ -62,3 +62,8 @@ def test_status_command_prints_the_cluster_info_table(start_cluster) -> None:
         (w.role, w.worker_id, w.pid) for w in served.workers
     ]
     assert {"active_requests", "blocks_used", "blocks_total"} <= set(printed["workers"][0])
+    probe = [sys.executable, "-m", "orchestrator.cli", "probe"]
+    ready = subprocess.run([*probe, "gen-0", str(config_path)], capture_output=True, timeout=30)
+    assert ready.returncode == 0, ready.stderr
+    missing = subprocess.run([*probe, "gen-9", str(config_path)], capture_output=True, timeout=30)
+    assert missing.returncode == 1 and b"gen-9" in missing.stderr

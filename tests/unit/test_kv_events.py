@@ -59,3 +59,8 @@ def test_each_engine_worker_publishes_on_its_own_port() -> None:
     assert event_endpoints(config, "gen-1") == ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:6558")
     assert event_endpoints(config, "ctx-0") == ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:6559")
     assert event_endpoints(parse_cluster_config(""), "gen-0") == (None, None)
+
+
+def test_workers_in_their_own_pods_all_bind_the_configured_port() -> None:
+    config = parse_cluster_config('kv_cache: {events: {zmq: "tcp://0.0.0.0:5557"}}')
+    assert event_endpoints(config, "gen-3") == ("tcp://0.0.0.0:5557", None)

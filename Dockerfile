@@ -1,0 +1,25 @@
+# One image for every process of the cluster (the command picks the role; see deploy/k8s/).
+#   docker build -t pdcluster .                                     # CUDA torch from PyPI
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t pdcluster:cpu .
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=""
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY engine ./engine
+COPY frontend ./frontend
+COPY orchestrator ./orchestrator
+COPY context_worker ./context_worker
+COPY generation_worker ./generation_worker
+COPY postproc_worker ./postproc_worker
+RUN pip install ${TORCH_INDEX:+--extra-index-url $TORCH_INDEX} . \
+    && useradd --create-home --uid 1000 pdcluster
+USER pdcluster
+
+# `orchestrator up` runs a whole cluster in one container (e.g. the tiny model for a smoke test);
+# in Kubernetes each pod runs one `python -m <package>.main` instead.
+EXPOSE 8000
+CMD ["orchestrator", "up"]

@@ -1,0 +1,72 @@
+"""deploy/k8s: the manifests validate against a current Kubernetes, and they agree with the
+cluster.yaml they carry (which passes the project's own validation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from common.config import parse_cluster_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "deploy/k8s/base"
+KUBERNETES_VERSION = "1.34"
+
+
+def resources() -> list[dict]:
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs += [d for d in yaml.safe_load_all((BASE / name).read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in resources() if d["kind"] == kind}
+
+
+@pytest.mark.parametrize("doc", resources(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_every_manifest_validates_strictly(doc: dict) -> None:
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_configmap_cluster_yaml_is_valid_and_matches_the_replicas() -> None:
+    config = parse_cluster_config(by_kind("ConfigMap")["pdcluster-config"]["data"]["cluster.yaml"])
+    sets = by_kind("StatefulSet")
+    assert sets["ctx"]["spec"]["replicas"] == config.context_workers.count
+    assert sets["gen"]["spec"]["replicas"] == config.generation_workers.count
+    assert sets["pp"]["spec"]["replicas"] == config.postproc_workers.count
+    assert config.orchestrator.address == "tcp://orchestrator:5550"  # the Service's name
+    assert "orchestrator" in by_kind("Service")
+
+
+def test_every_container_has_probes_and_resources() -> None:
+    for doc in resources():
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            name = doc["metadata"]["name"]
+            assert "readinessProbe" in container and "livenessProbe" in container, name
+            assert container["resources"]["requests"], name
+
+
+def test_engine_workers_ask_for_a_gpu_and_spread_out() -> None:
+    for name in ("ctx", "gen"):
+        spec = by_kind("StatefulSet")[name]["spec"]["template"]["spec"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert "podAntiAffinity" in spec["affinity"]
+        args = spec["containers"][0]["args"]
+        assert args == ["--worker-id", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+    assert {"frontend", "gen", "ctx"} <= set(by_kind("PodDisruptionBudget"))
+
+
+def test_frontend_is_scraped_and_probed_on_real_endpoints() -> None:
+    template = by_kind("Deployment")["frontend"]["spec"]["template"]
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    container = template["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
