@@ -29,6 +29,7 @@ test-long: tiny-model
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy common frontend orchestrator postproc_worker
 
 bench: tiny-model
 	$(PY) bench/engine.py

@@ -20,7 +20,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class FrontendConfig(_Section):
+class FrontendConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8000
     processes: Positive = (
@@ -31,7 +31,7 @@ class FrontendConfig(_Section):
     allow_request_chat_template: bool = False  # may a request bring its own chat_template?
 
 
-class OrchestratorConfig(_Section):
+class OrchestratorConfig(_Section, frozen=True):
     address: ZmqAddress = "tcp://127.0.0.1:5550"  # what every process dials
     bind: ZmqAddress | None = None  # what the orchestrator binds, if not `address` (tcp://*:5550)
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
@@ -40,23 +40,23 @@ class OrchestratorConfig(_Section):
     worker_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # silent longer: dead
 
 
-class ContextWorkersConfig(_Section):
+class ContextWorkersConfig(_Section, frozen=True):
     count: Positive = 1
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
 
 
-class GenerationWorkersConfig(_Section):
+class GenerationWorkersConfig(_Section, frozen=True):
     count: Positive = 1
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
 
 
-class PostprocWorkersConfig(_Section):
+class PostprocWorkersConfig(_Section, frozen=True):
     count: Positive = 2
 
 
-class KVEventsConfig(_Section):
+class KVEventsConfig(_Section, frozen=True):
     """vLLM-compatible KV-event publishing. On loopback, engine worker k (generation workers
     first, then context workers) binds the endpoint's port + k, and its replay socket
     replay_zmq's port + k; on any other address (a pod each) all bind the given ports."""
@@ -67,14 +67,14 @@ class KVEventsConfig(_Section):
     buffer_steps: Positive = 10_000  # batches kept for replay
 
 
-class KVCacheConfig(_Section):
+class KVCacheConfig(_Section, frozen=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
     num_blocks: Positive = 2048
     prefix_caching: bool = True
     events: KVEventsConfig = KVEventsConfig()
 
 
-class TransferConfig(_Section):
+class TransferConfig(_Section, frozen=True):
     backend: Literal["nixl"] = "nixl"
     lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
     pull_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # generation side gives up
@@ -89,7 +89,7 @@ class TransferConfig(_Section):
             )
 
 
-class ClusterConfig(_Section):
+class ClusterConfig(_Section, frozen=True):
     model: str = "builtin:tiny"  # or a local Hugging Face directory
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -30,10 +30,10 @@ TOOL_CALL_BEGIN = "<tool_call>\n"  # what a forced call's prompt ends with
 _CALL_BEGIN = '<tool_call> "\\n"'
 _CALL_END = '"\\n" </tool_call>'
 # JSON without free whitespace runs: a weak model would otherwise spend its tokens on blanks.
-_COMPACT = {"whitespace_flexible": False}
+_COMPACT: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
 
 
-def json_schema(schema: dict[str, Any] | bool, source: str = "json_schema") -> GuidedDecoding:
+def json_schema(schema: dict[str, Any], source: str = "json_schema") -> GuidedDecoding:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
     except ValueError as e:

@@ -9,6 +9,7 @@ caller sees None, so a bad sender can never crash a process.
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -21,9 +22,16 @@ logger = logging.getLogger(__name__)
 HIGH_WATER_MARK = 100_000  # messages queued per peer before send blocks (PUSH) or drops (ROUTER)
 
 
+SocketT = TypeVar("SocketT", bound=zmq.Socket)  # a plain socket, or an asyncio one
+
+
 def make_socket(
-    context: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None
-) -> zmq.Socket:
+    context: zmq.Context[SocketT],
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+) -> SocketT:
     """A socket that never lingers at close (a dead peer must not hang shutdown)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

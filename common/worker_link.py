@@ -77,7 +77,7 @@ class OrchestratorLink:
     def receive(self) -> list[Message]:
         """Everything waiting, minus the link's own traffic (Refused exits, RegisterAgain
         re-registers); Registered updates are both kept here and returned."""
-        messages = []
+        messages: list[Message] = []
         while (message := recv(self.socket, "the orchestrator")) is not None:
             if isinstance(message, Refused):
                 logger.error("%s: registration refused: %s", self.worker_id, message.reason)

@@ -18,7 +18,7 @@ from common.errors import InvalidRequest
 from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
-from frontend.chat import ChatCompletionRequest, Message, TextPart, render_chat
+from frontend.chat import ChatCompletionRequest, ImagePart, Message, TextPart, render_chat
 from frontend.model_info import ModelInfo
 from frontend.sampling import max_tokens_for, stop_list, validated
 
@@ -68,7 +68,7 @@ def as_chat(
         text = system if isinstance(system, str) else "\n".join(b.text for b in system)
         chat_messages.append(Message(role="system", content=text))
     for m in messages:
-        content = (
+        content: str | list[TextPart | ImagePart] = (
             m.content if isinstance(m.content, str) else [TextPart(text=b.text) for b in m.content]
         )
         chat_messages.append(Message(role=m.role, content=content))

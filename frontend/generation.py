@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -98,9 +99,12 @@ async def serve(
 
 async def _first_events(queues: list[asyncio.Queue[Event]], request: Request) -> list[Event] | None:
     """Each queue's first event, or None if the client disconnects first."""
-    gather = asyncio.ensure_future(asyncio.gather(*(q.get() for q in queues)))
-    disconnect = asyncio.ensure_future(_disconnected(request))
-    done, pending = await asyncio.wait({gather, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    gather: asyncio.Future[list[Event]] = asyncio.ensure_future(
+        asyncio.gather(*(q.get() for q in queues))
+    )
+    disconnect: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
+    waiting: set[asyncio.Future[Any]] = {gather, disconnect}
+    done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -208,7 +208,7 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
 
 def query_cluster_info(address: str, timeout_s: float) -> ClusterInfo | None:
     """One ClusterInfoRequest to the orchestrator; None when it does not answer in time."""
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
+    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
     try:
         send(sock, ClusterInfoRequest())
         if not sock.poll(int(timeout_s * 1000)):
