@@ -168,7 +168,7 @@ def test_invalid_completion_requests_are_400_naming_the_param(cluster, options, 
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ],
 )
