@@ -17,6 +17,7 @@ Held and pulling sequences own their blocks but are never scheduled; `abort` fre
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -61,8 +62,11 @@ class Scheduler:
         self._arrivals = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # ... and found there
+        self.num_admitted = 0  # first admissions, and the seconds they waited in the queue
+        self.queue_seconds = 0.0
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_time = seq.arrival_time or time.monotonic()
         seq.arrival_order = self._arrivals
         self._arrivals += 1
         self.waiting.append(seq)
@@ -177,6 +181,8 @@ class Scheduler:
             if not seq.output_token_ids:  # a first admission, not a recompute or a pulled request
                 seq.num_cached_prompt_tokens = num_cached
                 self._count_lookup(seq.num_prompt_tokens, num_cached)
+                self.num_admitted += 1
+                self.queue_seconds += time.monotonic() - seq.arrival_time
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -32,6 +32,7 @@ class Sequence:
     sampling: SamplingState
     extra_keys: tuple[ExtraKey, ...] = ()  # salts the prefix-cache hashes (cache_salt, lora)
     arrival_order: int = 0
+    arrival_time: float = 0.0  # time.monotonic() when queued, for the queue-time metric
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission
     status: SequenceStatus = SequenceStatus.WAITING

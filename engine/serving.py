@@ -100,6 +100,8 @@ def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -
         generation_tokens=engine.num_generated_tokens,
         prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
         prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
+        num_admitted=scheduler.num_admitted,
+        queue_seconds=scheduler.queue_seconds,
     )
 
 

@@ -16,7 +16,12 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.protocol import ClusterInfo, WorkerInfo
@@ -180,7 +185,15 @@ class ClusterCollector:
                 if v is not None:
                     family.add_metric([worker.worker_id, worker.role], v)
             families.append(family)
-        return families
+        queue = SummaryMetricFamily(
+            "pdcluster_request_queue_time_seconds",
+            "Time requests waited in an engine's queue before their first step",
+            labels=["worker", "role"],
+        )
+        for w in self.workers:
+            if w.role in ("context", "generation"):
+                queue.add_metric([w.worker_id, w.role], w.num_admitted, w.queue_seconds)
+        return [*families, queue]
 
 
 def _engine(worker: WorkerInfo, value: float) -> float | None:

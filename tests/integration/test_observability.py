@@ -175,6 +175,8 @@ def test_metrics_scrape_has_every_family_with_sane_values(cluster) -> None:
         assert scrape["pdcluster_num_requests_running"][worker] == 0
         assert scrape["pdcluster_num_requests_waiting"][worker] == 0
     assert scrape["pdcluster_prefill_tokens_total"][("ctx-0", "context")] > 0
+    assert scrape["pdcluster_request_queue_time_seconds_count"][("ctx-0", "context")] >= 2
+    assert scrape["pdcluster_request_queue_time_seconds_sum"][("ctx-0", "context")] >= 0
     assert sum(scrape["pdcluster_decode_tokens_total"][w] for w in gens) > 0
     assert sum(scrape["pdcluster_nixl_transfer_bytes_total"][w] for w in gens) > 0
     assert sum(scrape["pdcluster_nixl_transfer_seconds_total"][w] for w in gens) > 0
