@@ -53,6 +53,7 @@ class OrchestratorLink:
         self.socket.connect(address)
         self.registered: Registered | None = None
         self._next_heartbeat = 0.0
+        self._registered_at = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -83,8 +84,13 @@ class OrchestratorLink:
                 logger.error("%s: registration refused: %s", self.worker_id, message.reason)
                 sys.exit(EXIT_REFUSED)
             if isinstance(message, RegisterAgain):
-                logger.warning("%s: the orchestrator restarted; registering again", self.worker_id)
-                send(self.socket, self.register_message)
+                # Every heartbeat sent while the orchestrator was down is answered: once will do.
+                if time.monotonic() - self._registered_at > self.heartbeat_interval_s:
+                    logger.warning(
+                        "%s: the orchestrator restarted; registering again", self.worker_id
+                    )
+                    send(self.socket, self.register_message)
+                    self._registered_at = time.monotonic()
                 continue
             if isinstance(message, Registered):
                 self.registered = message

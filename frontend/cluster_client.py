@@ -119,9 +119,9 @@ class ClusterClient:
         self._waiters[answer].append(waiter)
         await async_send(self.dealer, question)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
-            return None
+            return None  # wait_for cancelled the waiter: a late answer goes to the next one
 
     async def _read_chunks(self) -> None:
         while True:

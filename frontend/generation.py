@@ -35,11 +35,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+RETRY_AFTER_S = 1  # what a 429 / 503 tells clients (and the openai SDK honours)
+
+
 def error_response(
     status_code: int, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status_code in (429, 503) else None
     return Response(
-        error_body(status_code, message, param, code), status_code, media_type="application/json"
+        error_body(status_code, message, param, code),
+        status_code,
+        headers=headers,
+        media_type="application/json",
     )
 
 

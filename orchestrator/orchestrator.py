@@ -206,6 +206,11 @@ class Orchestrator:
             failed = self.failure(request.request_id, 400, "this request id is already in use")
             out.append((sender, failed))
             return
+        limit = self.config.orchestrator.max_requests
+        if len(self.requests) >= limit:
+            busy = f"the cluster is at capacity ({limit} requests in flight); retry shortly"
+            out.append((sender, self.failure(request.request_id, 429, busy)))
+            return
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
         except ValueError as e:
@@ -366,7 +371,8 @@ class Orchestrator:
 
     @staticmethod
     def failure(request_id: str, status_code: int, message: str) -> RequestFailed:
-        code = "service_unavailable" if status_code == 503 else "invalid_request"
+        codes = {503: "service_unavailable", 429: "rate_limited"}
+        code = codes.get(status_code, "invalid_request")
         return RequestFailed(
             request_id=request_id, status_code=status_code, message=message, code=code
         )

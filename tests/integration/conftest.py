@@ -26,11 +26,15 @@ def start_cluster(
         frontend: str = "",
         api_key: str | None = None,
         kv_cache: str = "",
+        orchestrator: str | None = None,
     ) -> Cluster:
         tmp = tmp_path_factory.mktemp(f"cluster-{mode}")
         if api_key:
             frontend = ", ".join(filter(None, [frontend, f"api_key: {api_key}"]))
-        config_path, port = write_config(tmp / "cluster.yaml", mode, extra, frontend, kv_cache)
+        options = {"orchestrator": orchestrator} if orchestrator else {}
+        config_path, port = write_config(
+            tmp / "cluster.yaml", mode, extra, frontend, kv_cache, **options
+        )
         log_path = tmp / "cluster.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(

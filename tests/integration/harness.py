@@ -76,9 +76,15 @@ class Cluster:
 
 
 def write_config(
-    path: Path, mode: str, extra: str = "", frontend: str = "", kv_cache: str = ""
+    path: Path,
+    mode: str,
+    extra: str = "",
+    frontend: str = "",
+    kv_cache: str = "",
+    orchestrator: str = "router: kv_aware, worker_timeout_seconds: 5",
 ) -> tuple[Path, int]:
-    """cluster.yaml on free loopback ports; `extra`: more top-level keys, `frontend`: its keys."""
+    """cluster.yaml on free loopback ports; `extra`: more top-level keys; `frontend`, `kv_cache`:
+    keys added to those sections; `orchestrator`: that section's keys but the address."""
     port = free_port()
     frontend = f", {frontend}" if frontend else ""
     kv_cache = f", {kv_cache}" if kv_cache else ""
@@ -86,8 +92,7 @@ def write_config(
         f"model: {MODEL}\n"
         f"mode: {mode}\n"
         f"frontend: {{host: 127.0.0.1, port: {port}{frontend}}}\n"
-        f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware,'
-        f" worker_timeout_seconds: 5}}\n"
+        f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", {orchestrator}}}\n'
         f"kv_cache: {{block_size: 16, num_blocks: 512{kv_cache}}}\n"
         f"postproc_workers: {{count: 2}}\n"
         f"{extra}"

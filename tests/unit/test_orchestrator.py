@@ -260,3 +260,13 @@ def test_kv_aware_prefers_the_cached_prefix_unless_the_load_outweighs_it() -> No
     index.removed("w1", [11])  # a broken chain: nothing of the prefix is reusable
     assert index.num_cached_blocks("w1", hashes) == 0
     assert router.pick(workers(5, 0), hashes).worker_id == "w1"  # no events: by load
+
+
+def test_requests_beyond_the_limit_get_a_429() -> None:
+    orch = cluster("orchestrator: {max_requests: 2}")
+    for i in range(2):
+        orch.handle(FRONTEND, generate(f"r{i}"), 0.0)
+    _, reply = only(orch.handle(FRONTEND, generate("r2"), 0.0))
+    assert isinstance(reply, RequestFailed) and reply.status_code == 429
+    assert reply.code == "rate_limited" and "capacity" in reply.message
+    assert len(orch.requests) == 2
