@@ -12,6 +12,7 @@ import msgspec
 from common.errors import InvalidRequest
 
 MAX_LOGPROBS = 20  # same ceiling as OpenAI's top_logprobs
+MAX_N = 128  # choices per request: more would let one request flood a worker's batch
 
 
 class GuidedDecoding(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +49,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field when a value is outside what the engine can honour."""
-        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")

@@ -1,0 +1,187 @@
+"""Disconnects, garbage on the internal sockets, and load: the cluster keeps serving, leaks no KV
+block, keeps no stuck request, and sheds load with 429 + Retry-After instead of queueing without
+end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from common.protocol import PROTOCOL_VERSION, Refused, Register, decode, encode
+from tests.integration.harness import MODEL, Cluster
+
+MAX_REQUESTS = 64  # the orchestrator's limit in this cluster: more in flight get a 429
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    orchestrator = f"router: kv_aware, worker_timeout_seconds: 5, max_requests: {MAX_REQUESTS}"
+    return start_cluster("disaggregated", orchestrator=orchestrator)
+
+
+def assert_clean(cluster: Cluster) -> None:
+    info = cluster.wait_idle(timeout_s=30)
+    assert info.num_requests == 0, "requests stuck in the orchestrator"
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
+        assert worker.active_requests == 0, worker
+
+
+async def one_request(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
+    """A request that the client may abandon at a random point; returns what happened."""
+    stream = rng.random() < 0.5
+    body = {
+        "model": MODEL,
+        "prompt": f"Request {i}: " + "tell me about rivers " * rng.randint(1, 30),
+        "max_tokens": rng.randint(4, 24),
+        "temperature": 0.8,
+        "stream": stream,
+    }
+    leave_after_s = rng.uniform(0.0, 0.4) if rng.random() < 1 / 3 else None
+    while True:
+        try:
+            return await asyncio.wait_for(_send(client, body, stream), leave_after_s)
+        except TimeoutError:
+            return "left"
+        except _Busy as busy:
+            await asyncio.sleep(busy.retry_after_s)
+
+
+class _Busy(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+
+
+async def _send(client: httpx.AsyncClient, body: dict, stream: bool) -> str:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code in (429, 503):
+            raise _Busy(float(response.headers["retry-after"]))
+        assert response.status_code == 200, await response.aread()
+        data = b"".join([chunk async for chunk in response.aiter_bytes()])
+    if stream:
+        assert data.endswith(b"data: [DONE]\n\n"), data[-200:]
+    else:
+        assert msgspec.json.decode(data)["choices"]
+    return "done"
+
+
+async def many(cluster: Cluster, count: int, concurrency: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=60, limits=limits) as client:
+
+        async def gated(i: int) -> str:
+            async with gate:
+                return await one_request(client, rng, i)
+
+        return await asyncio.gather(*(gated(i) for i in range(count)))
+
+
+def test_random_disconnects_leak_nothing(cluster: Cluster) -> None:
+    outcomes = asyncio.run(many(cluster, count=150, concurrency=24, seed=1))
+    assert outcomes.count("left") > 20 and outcomes.count("done") > 60
+    assert_clean(cluster)
+
+
+@pytest.mark.long
+def test_a_thousand_requests_with_random_disconnects_leak_nothing(cluster: Cluster) -> None:
+    start = time.monotonic()
+    outcomes = asyncio.run(many(cluster, count=1000, concurrency=32, seed=2))
+    assert time.monotonic() - start < 600
+    assert outcomes.count("left") > 200
+    assert_clean(cluster)
+
+
+def test_256_streaming_clients_all_finish_and_the_excess_is_told_to_retry(cluster: Cluster) -> None:
+    statuses: list[int] = []
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits) as client:
+
+            async def client_loop(i: int) -> str:
+                body = {
+                    "model": MODEL,
+                    "prompt": f"Client {i} says",
+                    "max_tokens": 8,
+                    "stream": True,
+                }
+                while True:
+                    try:
+                        return await _send(client, body, stream=True)
+                    except _Busy as busy:
+                        statuses.append(429)
+                        await asyncio.sleep(busy.retry_after_s)
+
+            return await asyncio.gather(*(client_loop(i) for i in range(256)))
+
+    outcomes = asyncio.run(run())
+    assert outcomes == ["done"] * 256
+    assert statuses, "256 at once over a limit of 64 must see 429s"
+    assert_clean(cluster)
+
+
+def test_garbage_on_internal_sockets_is_dropped_and_the_cluster_serves(cluster: Cluster) -> None:
+    config = (cluster.log_path.parent / "cluster.yaml").read_text()
+    orchestrator = config.split('address: "')[1].split('"')[0]
+    postproc = next(w.address for w in cluster.info().workers if w.role == "postproc")
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(orchestrator)
+        for frame in (b"\xc1garbage", msgspec.msgpack.encode({"type": "nope"}), b""):
+            dealer.send(frame)
+        old = Register(
+            worker_id="intruder", role="generation", protocol_version=PROTOCOL_VERSION + 1, pid=1
+        )
+        dealer.send(encode(old))
+        assert dealer.poll(5000)
+        refused = decode(dealer.recv())
+        assert isinstance(refused, Refused) and str(PROTOCOL_VERSION + 1) in refused.reason
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(postproc)
+        push.send(b"\x00\x01 not a token batch")
+        time.sleep(0.5)
+        dealer.close()
+        push.close()
+    finally:
+        context.term()
+    log = cluster.log_tail(200_000)
+    assert "dropped a malformed message" in log
+    assert all(w.state == "ready" for w in cluster.info().workers)
+    result = httpx.post(
+        f"{cluster.base_url}/completions",
+        json={"model": MODEL, "prompt": "Still fine?"},
+        timeout=30,
+    )
+    assert result.status_code == 200
+    assert "intruder" not in {w.worker_id for w in cluster.info().workers}
+
+
+def test_bad_bodies_are_4xx_in_the_one_shape(cluster: Cluster) -> None:
+    url = f"{cluster.base_url}/completions"
+    cases = [
+        (b"\xff\xfe not utf-8", 400),
+        (b'{"model": "builtin:tiny", "prompt": 5}', 400),
+        (b'{"model": "builtin:tiny", "prompt": "x", "n": 1000000}', 400),
+        (b'{"model": "builtin:tiny", "prompt": "x", "logprobs": 99}', 400),
+        (b"[]", 400),
+        (b'{"model": "builtin:tiny", "prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}', 413),
+    ]
+    for body, status in cases:
+        response = httpx.post(
+            url, content=body, headers={"content-type": "application/json"}, timeout=30
+        )
+        assert response.status_code == status, (body[:60], response.text[:200])
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert_clean(cluster)
