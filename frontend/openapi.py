@@ -18,25 +18,37 @@ from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{name}"
 
-# path -> (summary, request schema or None for GET, response schema or None)
-ROUTES: dict[str, tuple[str, type | None, type | None]] = {
-    "/v1/completions": ("Create a completion", CompletionRequest, Completion),
-    "/v1/chat/completions": ("Create a chat completion", ChatCompletionRequest, ChatCompletion),
-    "/v1/messages": ("Create a message (Anthropic Messages API)", MessagesRequest, None),
-    "/v1/messages/count_tokens": ("Count a message's input tokens", CountTokensRequest, None),
-    "/v1/tokenize": ("Tokenize a prompt or messages", TokenizeRequest, None),
-    "/v1/detokenize": ("Turn token ids into text", DetokenizeRequest, None),
-    "/v1/models": ("List the served model", None, None),
-    "/version": ("The server's version", None, None),
-    "/health": ("200 when every needed worker role is alive, else 503", None, None),
-    "/health_generate": ("200 when a one-token request completes", None, None),
-    "/cluster_info": ("Every process of the cluster, with its KV usage", None, None),
+# path -> (method, summary, request schema, response schema)
+ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
+    "/v1/completions": ("post", "Create a completion", CompletionRequest, Completion),
+    "/v1/chat/completions": (
+        "post",
+        "Create a chat completion",
+        ChatCompletionRequest,
+        ChatCompletion,
+    ),
+    "/v1/messages": ("post", "Create a message (Anthropic Messages API)", MessagesRequest, None),
+    "/v1/messages/count_tokens": (
+        "post",
+        "Count a message's input tokens",
+        CountTokensRequest,
+        None,
+    ),
+    "/v1/tokenize": ("post", "Tokenize a prompt or messages", TokenizeRequest, None),
+    "/v1/detokenize": ("post", "Turn token ids into text", DetokenizeRequest, None),
+    "/v1/models": ("get", "List the served model", None, None),
+    "/version": ("get", "The server's version", None, None),
+    "/health": ("get", "200 when every needed worker role is alive, else 503", None, None),
+    "/health_generate": ("get", "200 when a one-token request completes", None, None),
+    "/cluster_info": ("get", "Every process of the cluster, with its KV usage", None, None),
+    "/kv_cache_events": ("post", "Drain the KV events (TensorRT-LLM's JSON)", None, None),
+    "/metrics": ("get", "Prometheus metrics of the frontends and every worker", None, None),
 }
 
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    types = [t for _, request, response in ROUTES.values() for t in (request, response) if t]
+    types = [t for _, _, request, response in ROUTES.values() for t in (request, response) if t]
     refs, components = msgspec.json.schema_components([*types, ErrorResponse], ref_template=REF)
     by_type = dict(zip([*types, ErrorResponse], refs, strict=True))
     error = {
@@ -44,7 +56,7 @@ def openapi_document() -> dict[str, Any]:
         "content": {"application/json": {"schema": by_type[ErrorResponse]}},
     }
     paths: dict[str, Any] = {}
-    for path, (summary, request, response) in ROUTES.items():
+    for path, (method, summary, request, response) in ROUTES.items():
         ok: dict[str, Any] = {"description": "OK"}
         if response is not None:
             ok["content"] = {
@@ -57,7 +69,7 @@ def openapi_document() -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": by_type[request]}},
             }
-        paths[path] = {"post" if request is not None else "get": operation}
+        paths[path] = {method: operation}
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdcluster", "version": importlib.metadata.version("pdcluster")},

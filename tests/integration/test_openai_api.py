@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tiny_model import TEST_PROMPTS
+from frontend.openapi import ROUTES
 from tests.integration.harness import MODEL, Cluster
 
 MAX_NEW = 16
@@ -265,7 +266,9 @@ def test_api_key_body_limit_and_two_frontend_processes(start_cluster) -> None:
     assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
     frontends = [w.worker_id for w in guarded.info().workers if w.role == "frontend"]
     assert frontends == ["fe-0", "fe-1"]  # two processes share the port
-    assert httpx.get(f"{guarded.base_url}/models", timeout=10).status_code == 401
+    for path, (method, *_) in ROUTES.items():  # the key guards every route but /health
+        status = httpx.request(method.upper(), f"{guarded.url}{path}", timeout=10).status_code
+        assert status == (200 if path == "/health" else 401), path
     client = openai.OpenAI(base_url=guarded.base_url, api_key="sekrit", max_retries=0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
