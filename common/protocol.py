@@ -203,6 +203,7 @@ class PrefillDone(_Message, tag="prefill_done"):
     agent_name: str
     first: list[TokenDelta]  # one per choice, index order
     block_ids: list[int] = msgspec.field(default_factory=list)
+    lease_expires_at: float = 0.0  # time.time() when the context worker frees the blocks
 
     @property
     def finished(self) -> bool:

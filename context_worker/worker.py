@@ -175,6 +175,7 @@ class ContextWorker:
         else:
             done.block_ids = self.engine.held_block_table(request_id)
             self.leases.add(request_id, time.monotonic())
+            done.lease_expires_at = time.time() + self.leases.lease_s
         self.link.send(done)
 
     def end_leases(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from common.protocol import (
     DecodeRequest,
     KVPool,
     Message,
+    PrefillDone,
     Register,
     Registered,
     RequestFailed,
@@ -48,6 +50,7 @@ from generation_worker.pulls import Pull, plan_read
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
+LEASE_MARGIN_S = 0.5  # a READ must finish this long before the source's lease ends
 
 
 @dataclass(slots=True)
@@ -232,7 +235,7 @@ class GenerationWorker:
                     plan.remote_block_ids,
                     plan.local_block_ids,
                     notification,
-                    self.config.transfer.pull_timeout_seconds,
+                    self.read_timeout_s(prefill),
                 )
             else:
                 self.agent.notify(prefill.agent_name, notification)
@@ -243,6 +246,17 @@ class GenerationWorker:
             return True
         self.pulls[request.request_id] = Pull(decode, handle)
         return True
+
+    def read_timeout_s(self, prefill: PrefillDone) -> float:
+        """How long a READ may take: never past the source's lease (with a margin), since the
+        blocks may be reused after it. Raises when the lease is (nearly) over already."""
+        timeout_s = self.config.transfer.pull_timeout_seconds
+        if prefill.lease_expires_at:
+            left_s = prefill.lease_expires_at - time.time() - LEASE_MARGIN_S
+            if left_s <= 0:
+                raise KVTransferError("the context worker's lease ran out before the read")
+            timeout_s = min(timeout_s, left_s)
+        return timeout_s
 
     def settle_pulls(self) -> None:
         for request_id, pull in list(self.pulls.items()):

@@ -1,0 +1,68 @@
+"""A generation worker that comes too late for its KV: the context worker frees the leased blocks
+at the deadline, and the late reader fails the request instead of reading reused blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.integration.harness import MODEL, Cluster
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    return start_cluster(
+        "disaggregated",
+        extra=f"transfer: {{lease_seconds: {LEASE_S}, pull_timeout_seconds: 1}}\n",
+        # a stopped (SIGSTOP) worker must not be declared dead meanwhile
+        orchestrator="router: round_robin, worker_timeout_seconds: 60",
+    )
+
+
+def leased(cluster: Cluster) -> int:
+    return sum(w.blocks_leased for w in cluster.info().workers if w.role == "context")
+
+
+def wait_for(condition, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_expired_lease_frees_blocks_and_the_late_reader_fails_the_request(cluster: Cluster) -> None:
+    gen_pid = next(w.pid for w in cluster.info().workers if w.worker_id == "gen-0")
+    result: dict = {}
+
+    def send() -> None:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
+        try:
+            client.completions.create(model=MODEL, prompt="Late reader " * 20, max_tokens=4)
+        except openai.APIStatusError as e:
+            result["error"] = e
+
+    os.kill(gen_pid, signal.SIGSTOP)
+    try:
+        sender = threading.Thread(target=send)
+        sender.start()
+        wait_for(lambda: leased(cluster) > 0, 10)
+        freed_after_s = wait_for(lambda: leased(cluster) == 0, LEASE_S + 5)
+    finally:
+        os.kill(gen_pid, signal.SIGCONT)
+    sender.join(30)
+    assert freed_after_s <= LEASE_S + 2
+    error = result.get("error")
+    assert error is not None and error.status_code == 503 and "lease" in error.message, result
+    info = cluster.wait_idle(timeout_s=15)
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="On time", max_tokens=4).choices
