@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy common frontend orchestrator postproc_worker
 
 bench: tiny-model
+	$(PY) bench/serving.py
 	$(PY) bench/engine.py
 	$(PY) bench/guided.py
 

@@ -68,6 +68,7 @@ class RequestRecord:
     frontend: bytes  # the ROUTER identity to send RequestFailed to
     prompt_token_ids: list[int]
     postproc_address: str = ""
+    postproc_worker_id: str = ""
     state: State = State.QUEUED
     context_worker: WorkerRecord | None = None
     generation_worker: WorkerRecord | None = None
@@ -222,6 +223,7 @@ class Orchestrator:
             out.append((sender, self.failure(request.request_id, 503, "no postproc worker is up")))
             return
         record.postproc_address = postproc.address
+        record.postproc_worker_id = postproc.worker_id
         self.requests[request.request_id] = record
         if self.prefills_locally(record):
             self.start_decode(record, None, out)
@@ -310,9 +312,14 @@ class Orchestrator:
         return record
 
     def fail(self, request_id: str, failed: RequestFailed, out: Outbox) -> None:
+        """Tell the frontend, and have the postproc worker drop what it keeps for the request
+        (no worker will send it the request's end now)."""
         record = self.end(request_id)
         if record is not None:
             out.append((record.frontend, failed))
+            if record.postproc_worker_id:
+                abort = Abort(request_id=request_id, reason="error")
+                out.append((record.postproc_worker_id.encode(), abort))
 
     def abort(self, request_id: str, out: Outbox) -> None:
         record = self.end(request_id)

@@ -68,7 +68,9 @@ class PostprocWorker:
 
     def step(self) -> None:
         self.poller.poll(POLL_MS)
-        self.link.receive()  # only registration traffic comes this way
+        for message in self.link.receive():
+            if isinstance(message, Abort) and message.request_id in self.requests:
+                self.end(message.request_id, upstream=False)  # it failed elsewhere
         while (message := recv(self.tokens, "a worker")) is not None:
             if isinstance(message, TokenBatch):
                 self.process(message)

@@ -39,14 +39,14 @@ def pid_of(cluster: Cluster, worker_id: str) -> int:
 
 
 def busy_worker(cluster: Cluster, role: str) -> str:
-    """The worker of `role` holding a request (stats arrive with heartbeats: wait for them)."""
+    """The one worker of `role` holding a request (stats arrive with heartbeats: wait for them)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         busy = [w for w in cluster.info().workers if w.role == role and w.active_requests]
-        if busy:
+        if len(busy) == 1:
             return busy[0].worker_id
         time.sleep(0.1)
-    raise AssertionError(f"no busy {role} worker")
+    raise AssertionError(f"not exactly one busy {role} worker")
 
 
 def stream(

@@ -181,7 +181,9 @@ def test_worker_failure_is_forwarded_to_the_frontend() -> None:
     orch = cluster()
     orch.handle(FRONTEND, generate(), 0.0)
     failed = RequestFailed(request_id="cmpl-1", status_code=400, message="bad", param="max_tokens")
-    assert only(orch.handle(b"ctx-0", failed, 0.0)) == (FRONTEND, failed)
+    out = orch.handle(b"ctx-0", failed, 0.0)
+    # the postproc worker is told too: no worker will send it this request's end any more
+    assert out == [(FRONTEND, failed), (b"pp-0", Abort(request_id="cmpl-1", reason="error"))]
     assert not orch.requests
 
 
@@ -218,7 +220,7 @@ def test_no_postproc_or_generation_worker_is_a_503() -> None:
     _, reply = only(orch.handle(FRONTEND, generate(), 0.0))
     assert isinstance(reply, RequestFailed) and reply.status_code == 503
     register(orch, "pp-0", "postproc")
-    _, reply = only(orch.handle(FRONTEND, generate(), 0.0))
+    (_, reply), _ = orch.handle(FRONTEND, generate(), 0.0)
     assert isinstance(reply, RequestFailed) and "generation" in reply.message
 
 

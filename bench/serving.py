@@ -1,0 +1,330 @@
+"""Serving benchmark: the cluster over HTTP against the in-process engine and Hugging Face
+`generate`, side by side in one run, written as JSON (stable keys) and PNG plots.
+
+    .venv/bin/python bench/serving.py [--device cpu|cuda] [--model builtin:tiny]
+                                      [--out bench/results/latest.json] [--repeats 3]
+
+Workload (seeded): prompts of 64-512 tokens cut from the shipped corpus, outputs of 64-256
+tokens (EOS ignored, so every side generates the same tokens), streaming clients at each
+concurrency level. Figures are medians of `--repeats` runs.
+
+- `levels.<c>`: the default (disaggregated) cluster at c concurrent streaming clients: output
+  tokens/s, requests/s, TTFT and inter-token latency p50/p99.
+- `pipeline_efficiency`: cluster tokens/s at 32 clients ÷ the in-process engine on the same
+  requests (no HTTP, no ZMQ, no NIXL).
+- `vs_hf_sequential` / `vs_hf_batched`: cluster tokens/s at 32 clients ÷ HF generate one request
+  at a time / as one padded batch.
+- `prefix_ttft_ratio`: TTFT of a 1k-token prompt the second time (prefix cache warm) ÷ the first.
+- `aggregated`: the same 32-client run on an aggregated cluster, and `disagg_vs_agg`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from common.sampling_params import SamplingParams  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+
+HEADLINE_CONCURRENCY = 32
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(tokenizer: object, count: int, seed: int, prompt_len: tuple[int, int],
+                  output_len: tuple[int, int]) -> list[Request]:  # fmt: skip
+    corpus = tokenizer.encode((ROOT / "engine/data/corpus.txt").read_text())  # type: ignore[attr-defined]
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        length = rng.randint(*prompt_len)
+        start = rng.randrange(0, len(corpus) - length)
+        requests.append(Request(corpus[start : start + length], rng.randint(*output_len)))
+    return requests
+
+
+# --- a cluster --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Cluster:
+    """`orchestrator up` on free loopback ports; stopped with SIGTERM."""
+
+    def __init__(self, model: str, device: str, mode: str, workdir: Path) -> None:
+        self.port = free_port()
+        config = workdir / f"cluster-{mode}.yaml"
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        config.write_text(
+            f"model: {model}\nmode: {mode}\ndevice: {device}\ndtype: {dtype}\n"
+            f"frontend: {{port: {self.port}}}\n"
+            f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware}}\n'
+            "generation_workers: {max_num_seqs: 64}\n"
+            "kv_cache: {block_size: 16, num_blocks: 4096}\n"
+        )
+        self.log = (workdir / f"cluster-{mode}.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "up", str(config)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {mode} cluster exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"the {mode} cluster did not start; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(30)
+        self.log.close()
+
+
+async def stream_one(
+    client: httpx.AsyncClient, model: str, request: Request
+) -> tuple[float, list[float]]:
+    """(TTFT, inter-token gaps) of one streamed completion."""
+    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return stamps[0] - start, gaps
+
+
+async def run_clients(url: str, model: str, requests: list[Request], concurrency: int) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def gated(request: Request) -> tuple[float, list[float]]:
+            async with gate:
+                return await stream_one(client, model, request)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(gated(r) for r in requests))
+        elapsed = time.perf_counter() - start
+    ttfts = sorted(r[0] for r in results)
+    gaps = sorted(g for r in results for g in r[1])
+    tokens = sum(r.max_tokens for r in requests)
+    return {
+        "output_tokens_per_s": tokens / elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+    }
+
+
+def percentile(values: list[float], p: float) -> float:
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] if values else 0.0
+
+
+def median_dict(runs: list[dict]) -> dict:
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+
+
+def prefix_ttft_ratio(url: str, model: str, tokenizer: object, repeats: int) -> float:
+    """A 1k-token prompt twice: the second run's prefill reads the prefix cache."""
+    ratios = []
+    for i in range(repeats):
+        prompt = make_workload(tokenizer, 1, 1000 + i, (1024, 1024), (1, 1))[0]
+        request = Request(prompt.prompt, 4)
+        cold = asyncio.run(run_clients(url, model, [request], 1))["ttft_p50_s"]
+        warm = asyncio.run(run_clients(url, model, [request], 1))["ttft_p50_s"]
+        ratios.append(warm / cold)
+    return statistics.median(ratios)
+
+
+# --- the baselines ----------------------------------------------------------------------------
+
+
+def engine_tokens_per_s(llm: LLM, requests: list[Request]) -> float:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+    ]
+    start = time.perf_counter()
+    llm.generate([r.prompt for r in requests], params)
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
+
+
+def hf_tokens_per_s(
+    model: torch.nn.Module, requests: list[Request], pad_id: int, device: str
+) -> float:
+    """HF generate over the requests as one left-padded batch (each to the longest output)."""
+    width = max(len(r.prompt) for r in requests)
+    max_new = max(r.max_tokens for r in requests)
+    ids = torch.tensor(
+        [[pad_id] * (width - len(r.prompt)) + r.prompt for r in requests], device=device
+    )
+    mask = (torch.arange(width, device=device) >= torch.tensor(
+        [width - len(r.prompt) for r in requests], device=device).unsqueeze(1)).long()  # fmt: skip
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                       min_new_tokens=max_new, pad_token_id=pad_id)  # fmt: skip
+    return len(requests) * max_new / (time.perf_counter() - start)
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(result["levels"], key=int)
+    x = [int(c) for c in levels]
+    files = []
+    for key, label in (("output_tokens_per_s", "output tokens/s"), ("ttft_p50_s", "TTFT p50 (s)"),
+                       ("itl_p50_s", "inter-token latency p50 (s)")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(x, [result["levels"][c][key] for c in levels], marker="o", label="cluster")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        path = out.with_name(f"{out.stem}-{key}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path.name)
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--output-len", type=int, nargs=2, default=[64, 256])
+    parser.add_argument("--hf-sequential-requests", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "bench/results/latest.json"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompt_len, output_len = tuple(args.prompt_len), tuple(args.output_len)
+
+    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=64,
+              dtype="bfloat16" if args.device == "cuda" else "float32")  # fmt: skip
+    tokenizer = llm.tokenizer
+    served_name = args.model
+    workload = {c: make_workload(tokenizer, max(2 * c, 8), args.seed + c, prompt_len, output_len)
+                for c in args.concurrency}  # fmt: skip
+    headline = workload.get(HEADLINE_CONCURRENCY) or workload[max(args.concurrency)]
+
+    engine = statistics.median(engine_tokens_per_s(llm, headline) for _ in range(args.repeats))
+    hf = AutoModelForCausalLM.from_pretrained(
+        llm.engine.model_dir, dtype=llm.engine.config.torch_dtype
+    )
+    hf = hf.to(args.device).eval()
+    pad_id = tokenizer.pad_token_id or 0
+    sequential = headline[: args.hf_sequential_requests]
+    hf_sequential = statistics.median(
+        sum(r.max_tokens for r in sequential)
+        / sum(r.max_tokens / hf_tokens_per_s(hf, [r], pad_id, args.device) for r in sequential)
+        for _ in range(args.repeats)
+    )
+    hf_batched = statistics.median(
+        hf_tokens_per_s(hf, headline, pad_id, args.device) for _ in range(args.repeats)
+    )
+    del llm, hf  # the clusters need the memory and the cores
+
+    workdir = Path(tempfile.mkdtemp(prefix="pdcluster-bench-"))
+    result: dict = {"levels": {}}
+    cluster = Cluster(args.model, args.device, "disaggregated", workdir)
+    try:
+        asyncio.run(
+            run_clients(cluster.url, served_name, workload[args.concurrency[0]][:2], 2)
+        )  # warm-up
+        for c in args.concurrency:
+            runs = [
+                asyncio.run(run_clients(cluster.url, served_name, workload[c], c))
+                for _ in range(args.repeats)
+            ]
+            result["levels"][str(c)] = median_dict(runs)
+            print(f"{c} clients: {result['levels'][str(c)]}", flush=True)
+        result["prefix_ttft_ratio"] = round(
+            prefix_ttft_ratio(cluster.url, served_name, tokenizer, args.repeats), 3
+        )
+    finally:
+        cluster.stop()
+    aggregated = Cluster(args.model, args.device, "aggregated", workdir)
+    try:
+        asyncio.run(run_clients(aggregated.url, served_name, headline[:2], 2))
+        runs = [
+            asyncio.run(run_clients(aggregated.url, served_name, headline, HEADLINE_CONCURRENCY))
+            for _ in range(args.repeats)
+        ]
+        result["aggregated"] = median_dict(runs)
+    finally:
+        aggregated.stop()
+
+    cluster_tps = result["levels"][str(HEADLINE_CONCURRENCY)]["output_tokens_per_s"]
+    result.update(
+        benchmark="serving",
+        model=args.model,
+        device=args.device,
+        machine=platform.machine(),
+        cpu_count=torch.get_num_threads(),
+        prompt_len=list(prompt_len),
+        output_len=list(output_len),
+        repeats=args.repeats,
+        engine_output_tokens_per_s=round(engine, 1),
+        hf_sequential_output_tokens_per_s=round(hf_sequential, 1),
+        hf_batched_output_tokens_per_s=round(hf_batched, 1),
+        pipeline_efficiency=round(cluster_tps / engine, 3),
+        vs_hf_sequential=round(cluster_tps / hf_sequential, 2),
+        vs_hf_batched=round(cluster_tps / hf_batched, 2),
+        disagg_vs_agg=round(cluster_tps / result["aggregated"]["output_tokens_per_s"], 3),
+    )
+    result["plots"] = plot(result, out)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
