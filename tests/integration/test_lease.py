@@ -66,3 +66,39 @@ def test_expired_lease_frees_blocks_and_the_late_reader_fails_the_request(cluste
         assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
     client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
     assert client.completions.create(model=MODEL, prompt="On time", max_tokens=4).choices
+
+
+def test_context_worker_killed_after_prefill_before_the_pull(cluster: Cluster) -> None:
+    """The reader finds its source gone: the request fails with a clear error within 5 s and the
+    context worker comes back."""
+    workers = {w.worker_id: w for w in cluster.info().workers}
+    gen_pid, ctx_pid = workers["gen-0"].pid, workers["ctx-0"].pid
+    result: dict = {}
+
+    def send() -> None:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
+        try:
+            client.completions.create(model=MODEL, prompt="Orphaned blocks " * 20, max_tokens=4)
+        except openai.APIStatusError as e:
+            result["error"], result["at"] = e, time.monotonic()
+
+    os.kill(gen_pid, signal.SIGSTOP)
+    try:
+        sender = threading.Thread(target=send)
+        sender.start()
+        wait_for(lambda: leased(cluster) > 0, 10)  # prefilled and handed off; not yet read
+        os.kill(ctx_pid, signal.SIGKILL)
+    finally:
+        resumed_at = time.monotonic()
+        os.kill(gen_pid, signal.SIGCONT)
+    sender.join(30)
+    error = result.get("error")
+    assert error is not None and error.status_code == 503, result
+    assert result["at"] - resumed_at < 5.0
+    wait_for(lambda: any(w.worker_id == "ctx-0" and w.pid != ctx_pid and w.state == "ready"
+                         for w in cluster.info().workers), 30)  # fmt: skip
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=4).choices
+    info = cluster.wait_idle(timeout_s=15)
+    for worker in info.workers:
+        assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
