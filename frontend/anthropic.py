@@ -20,7 +20,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from frontend.chat import ChatCompletionRequest, ImagePart, Message, TextPart, render_chat
 from frontend.model_info import ModelInfo
-from frontend.sampling import max_tokens_for, stop_list, validated
+from frontend.sampling import max_tokens_for, stop_list
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -92,16 +92,14 @@ def to_generate_request(body: MessagesRequest, model: ModelInfo, reply_to: str) 
         )
     prompt = tokenizer.encode(render_chat(chat, tokenizer, tokenizer.chat_template).prompt_text)
     stops = stop_list(body.stop_sequences)
-    sampling = validated(
-        SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            stop=stops,
-            max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
-        ),
-        vocab_size,
+    sampling = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=stops,
+        max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
     )
+    sampling.validate(vocab_size)
     prompt_b64 = encode_token_ids(prompt)
     output = OutputOptions(
         kind="anthropic",

@@ -18,7 +18,6 @@ from common.errors import InvalidRequest
 from common.guided import check
 from common.parser_choice import reasoning_parser_for, tool_parser_for
 from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
-from common.sampling_params import SamplingParams
 from common.thinking import resolve_prefilled_thinking
 from common.tokenizer import Tokenizer
 from frontend.chat_template import RenderedPrompt, render
@@ -30,8 +29,8 @@ from frontend.sampling import (
     check_logprobs,
     logit_bias,
     max_tokens_for,
+    sampling_params,
     stop_list,
-    validated,
 )
 from frontend.structured import ResponseFormat, ToolPlan, combine, from_guided_fields, plan_tools
 
@@ -211,28 +210,14 @@ def to_generate_request(
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
-    sampling = validated(
-        SamplingParams(
-            n=body.n,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            seed=body.seed,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            logit_bias=logit_bias(body.logit_bias, model.vocab_size),
-            stop=stop_list(body.stop),
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
-            min_tokens=body.min_tokens,
-            skip_special_tokens=body.skip_special_tokens,
-            guided=constraint,
-        ),
-        model.vocab_size,
+    sampling = sampling_params(
+        body,
+        vocab_size=model.vocab_size,
+        max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        logit_bias=logit_bias(body.logit_bias, model.vocab_size),
+        stop=stop_list(body.stop),
+        guided=constraint,
     )
     prompt_b64 = encode_token_ids(prompt)
     output = OutputOptions(

@@ -12,7 +12,6 @@ import msgspec
 from common.errors import InvalidRequest
 from common.guided import check
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
-from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
@@ -22,8 +21,8 @@ from frontend.sampling import (
     check_logprobs,
     logit_bias,
     max_tokens_for,
+    sampling_params,
     stop_list,
-    validated,
 )
 from frontend.structured import ResponseFormat, from_guided_fields
 
@@ -131,28 +130,14 @@ def to_generate_requests(
             raise InvalidRequest("the prompt is empty", "prompt")
         if max(prompt) >= vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        sampling = validated(
-            SamplingParams(
-                n=body.n,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                repetition_penalty=body.repetition_penalty,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                seed=body.seed,
-                logprobs=body.logprobs,
-                logit_bias=bias,
-                stop=stops,
-                stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos,
-                max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
-                min_tokens=body.min_tokens,
-                skip_special_tokens=body.skip_special_tokens,
-                guided=constraint,
-            ),
-            vocab_size,
+        sampling = sampling_params(
+            body,
+            vocab_size=vocab_size,
+            max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
+            logprobs=body.logprobs,
+            logit_bias=bias,
+            stop=stops,
+            guided=constraint,
         )
         prompt_b64 = encode_token_ids(prompt)
         output = OutputOptions(

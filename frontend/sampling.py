@@ -8,9 +8,10 @@ max_tokens 16 for completions, and for chat "up to the context" (OpenAI's max_co
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 from common.errors import InvalidRequest
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -73,6 +74,54 @@ def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len:
     return requested
 
 
-def validated(params: SamplingParams, vocab_size: int) -> SamplingParams:
+class SamplingFields(Protocol):
+    """The sampling fields OpenAI's completion and chat bodies (and our extensions) share."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    skip_special_tokens: bool
+
+
+def sampling_params(
+    body: SamplingFields,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    logprobs: int | None,
+    logit_bias: dict[int, float] | None,
+    stop: list[str],
+    guided: GuidedDecoding | None,
+) -> SamplingParams:
+    """The request's SamplingParams, validated; the route-specific fields are passed in."""
+    params = SamplingParams(
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        logprobs=logprobs,
+        logit_bias=logit_bias,
+        stop=stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        guided=guided,
+    )
     params.validate(vocab_size)
     return params

@@ -68,9 +68,9 @@ class PostprocWorker:
 
     def step(self) -> None:
         self.poller.poll(POLL_MS)
-        for message in self.link.receive():
-            if isinstance(message, Abort) and message.request_id in self.requests:
-                self.end(message.request_id, upstream=False)  # it failed elsewhere
+        for command in self.link.receive():
+            if isinstance(command, Abort) and command.request_id in self.requests:
+                self.end(command.request_id, upstream=False)  # it failed elsewhere
         while (message := recv(self.tokens, "a worker")) is not None:
             if isinstance(message, TokenBatch):
                 self.process(message)
