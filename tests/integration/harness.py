@@ -126,13 +126,13 @@ def stop(cluster: Cluster, pids: list[int]) -> None:
         os.killpg(cluster.process.pid, signal.SIGKILL)
         cluster.process.wait(5)
         pytest.fail(f"orchestrator up did not stop within {STOP_TIMEOUT_S} s")
-    alive = [pid for pid in pids if _alive(pid)]
-    for pid in alive:
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, f"processes left behind: {alive}"
+    assert not left, f"processes left behind: {left}"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.integration.harness import MODEL, Cluster
+from tests.integration.harness import MODEL, Cluster, alive
 
 LEASE_S = 2.0
 
@@ -88,6 +88,7 @@ def test_context_worker_killed_after_prefill_before_the_pull(cluster: Cluster) -
         sender.start()
         wait_for(lambda: leased(cluster) > 0, 10)  # prefilled and handed off; not yet read
         os.kill(ctx_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(ctx_pid), 10)  # its memory is gone, not just signalled
     finally:
         resumed_at = time.monotonic()
         os.kill(gen_pid, signal.SIGCONT)
