@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
 from common.sampling_params import SamplingParams
 
@@ -82,6 +83,12 @@ class GenerateRequest(_Message, tag="generate"):
     cache_salt: str | None = None
     priority: int = 0
     arrival_time: float = 0.0
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        """What salts the request's block hashes: a cache_salt keeps tenants' prefixes apart.
+        Workers and the orchestrator's router must hash alike, so both read it here."""
+        return (("cache_salt", self.cache_salt),) if self.cache_salt else ()
 
 
 class Abort(_Message, tag="abort"):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
+from common.config import OrchestratorConfig
 from common.protocol import (
     Heartbeat,
     Message,
@@ -39,18 +40,17 @@ class OrchestratorLink:
     def __init__(
         self,
         context: zmq.Context,
-        address: str,
+        orchestrator: OrchestratorConfig,
         register: Register,
-        heartbeat_interval_s: float,
         stats: Callable[[], WorkerStats],
     ) -> None:
         self.register_message = register
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s = orchestrator.heartbeat_interval_seconds
         self.stats = stats
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, register.worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        self.socket.connect(orchestrator.address)
         self.registered: Registered | None = None
         self._next_heartbeat = 0.0
         self._registered_at = 0.0

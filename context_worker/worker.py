@@ -31,13 +31,10 @@ from common.protocol import (
 )
 from common.worker_link import OrchestratorLink, PushSockets
 from context_worker.leases import LeaseTable
-from engine.kv_transfer import KVTransferAgent
-from engine.llm_engine import LLMEngine, TokenOutput
+from engine.llm_engine import TokenOutput
 from engine.serving import (
     KVEventRelay,
-    configure_torch,
-    engine_config,
-    extra_keys,
+    build_engine,
     to_delta,
     worker_stats,
 )
@@ -50,15 +47,7 @@ IDLE_POLL_MS = 5  # NIXL notifications do not wake a zmq poll: bound their laten
 class ContextWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.worker_id = worker_id
-        configure_torch(config)
-        workers = config.context_workers
-        self.engine = LLMEngine(
-            engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
-        )
-        kv_cache = self.engine.kv_cache
-        self.agent = KVTransferAgent(
-            f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes
-        )
+        self.engine, self.agent = build_engine(config, worker_id, config.context_workers)
         self.leases = LeaseTable(config.transfer.lease_seconds)
         self.prefilling: dict[str, PrefillRequest] = {}
         self.first_tokens: dict[str, list[TokenDelta]] = {}
@@ -73,13 +62,7 @@ class ContextWorker:
             pid=os.getpid(),
             kv_pool=self.agent.info(),
         )
-        self.link = OrchestratorLink(
-            context,
-            config.orchestrator.address,
-            register,
-            config.orchestrator.heartbeat_interval_seconds,
-            self.stats,
-        )
+        self.link = OrchestratorLink(context, config.orchestrator, register, self.stats)
 
     def stats(self) -> WorkerStats:
         return worker_stats(self.engine, len(self.prefilling) + len(self.leases))
@@ -126,7 +109,7 @@ class ContextWorker:
                 request.request_id,
                 prompt,
                 request.sampling,
-                extra_keys(request),
+                request.extra_keys,
                 prefill_only=True,
             )
         except InvalidRequest as e:

@@ -8,12 +8,12 @@ import os
 import torch
 import zmq
 
-from common.block_hash import ExtraKey
-from common.config import ClusterConfig
+from common.config import ClusterConfig, ContextWorkersConfig, GenerationWorkersConfig
 from common.kv_events import KVEventPublisher
-from common.protocol import GenerateRequest, KVEvents, TokenDelta, WorkerStats
+from common.protocol import KVEvents, TokenDelta, WorkerStats
 from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
+from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 
 
@@ -30,6 +30,17 @@ def engine_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+
+
+def build_engine(
+    config: ClusterConfig, worker_id: str, workers: ContextWorkersConfig | GenerationWorkersConfig
+) -> tuple[LLMEngine, KVTransferAgent]:
+    """An engine worker's engine and the NIXL agent over its KV pool (one per process)."""
+    configure_torch(config)
+    engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
+    kv_cache = engine.kv_cache
+    agent = KVTransferAgent(f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes)
+    return engine, agent
 
 
 def event_endpoints(config: ClusterConfig, worker_id: str) -> tuple[str | None, str | None]:
@@ -60,11 +71,6 @@ def configure_torch(config: ClusterConfig) -> None:
         if config.mode == "disaggregated":
             num_engines += config.context_workers.count
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_engines))
-
-
-def extra_keys(request: GenerateRequest) -> tuple[ExtraKey, ...]:
-    """What salts the request's block hashes: a cache_salt keeps tenants' prefixes apart."""
-    return (("cache_salt", request.cache_salt),) if request.cache_salt else ()
 
 
 def to_delta(out: TokenOutput) -> TokenDelta:

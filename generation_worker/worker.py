@@ -35,13 +35,11 @@ from common.protocol import (
     decode_token_ids,
 )
 from common.worker_link import OrchestratorLink, PushSockets
-from engine.kv_transfer import KVTransferAgent, KVTransferError
-from engine.llm_engine import LLMEngine, TokenOutput
+from engine.kv_transfer import KVTransferError
+from engine.llm_engine import TokenOutput
 from engine.serving import (
     KVEventRelay,
-    configure_torch,
-    engine_config,
-    extra_keys,
+    build_engine,
     to_delta,
     worker_stats,
 )
@@ -72,16 +70,8 @@ class GenerationWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.worker_id = worker_id
         self.config = config
-        configure_torch(config)
-        workers = config.generation_workers
-        self.engine = LLMEngine(
-            engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens)
-        )
-        kv_cache = self.engine.kv_cache
-        self.agent = KVTransferAgent(
-            f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes
-        )
-        self.max_num_seqs = workers.max_num_seqs
+        self.engine, self.agent = build_engine(config, worker_id, config.generation_workers)
+        self.max_num_seqs = config.generation_workers.max_num_seqs
         self.waiting: deque[DecodeRequest] = deque()  # prefilled, waiting for blocks or a slot
         self.pulls: dict[str, Pull] = {}
         self.active: dict[str, ActiveRequest] = {}
@@ -99,13 +89,7 @@ class GenerationWorker:
             protocol_version=PROTOCOL_VERSION,
             pid=os.getpid(),
         )
-        self.link = OrchestratorLink(
-            context,
-            config.orchestrator.address,
-            register,
-            config.orchestrator.heartbeat_interval_seconds,
-            self.stats,
-        )
+        self.link = OrchestratorLink(context, config.orchestrator, register, self.stats)
 
     def stats(self) -> WorkerStats:
         stats = worker_stats(self.engine, len(self.active), len(self.waiting) + len(self.pulls))
@@ -184,7 +168,7 @@ class GenerationWorker:
             try:
                 prompt = decode_token_ids(request.prompt_token_ids_b64)
                 self.engine.add_request(
-                    request.request_id, prompt, request.sampling, extra_keys(request)
+                    request.request_id, prompt, request.sampling, request.extra_keys
                 )
             except (InvalidRequest, ValueError) as e:
                 self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
@@ -217,7 +201,7 @@ class GenerationWorker:
                 request.sampling,
                 first_tokens,
                 prefill.first[0].num_cached_tokens,
-                extra_keys(request),
+                request.extra_keys,
             )
         except (InvalidRequest, ValueError) as e:
             self.release_source(decode)

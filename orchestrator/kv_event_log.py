@@ -1,8 +1,8 @@
 """The cluster's KV events in TensorRT-LLM's JSON shape, queued for POST /kv_cache_events.
 
 A bounded queue: a router that polls too slowly loses the oldest events (and can tell from the
-event_id gap). Each event says which worker it is about. TensorRT-LLM has no "cleared" event, so a
-worker's AllBlocksCleared is reported as the removal of every hash the log saw it store.
+event_id gap). Each event says which worker it is about. TensorRT-LLM has no "cleared" event: the
+orchestrator reports a worker's AllBlocksCleared as the removal of every hash it holds.
 
     {"event_id": 7, "worker_id": "gen-0", "data": {"type": "stored", "parent_hash": null,
      "blocks": [{"type": "stored_block", "block_hash": 123, "cache_level": 0, "priority": 35,
@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from common.kv_events import BlockStored
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 
@@ -25,25 +25,17 @@ class KVEventLog:
     def __init__(self, max_events: int = 10_000) -> None:
         self._queue: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._next_id = 0
-        self._held: dict[str, set[int]] = {}  # worker -> hashes it holds, to expand "cleared"
 
     def created(self, worker_id: str, num_blocks: int) -> None:
         """A worker (re)started with an empty cache."""
-        self._held[worker_id] = set()
         self._append(worker_id, {"type": "created", "num_blocks_per_cache_level": [num_blocks]})
 
-    def record(self, worker_id: str, events: list[KVEvent]) -> None:
-        held = self._held.setdefault(worker_id, set())
-        for event in events:
-            if isinstance(event, BlockStored):
-                held.update(event.block_hashes)
-                self._append(worker_id, _stored(event))
-            elif isinstance(event, BlockRemoved):
-                held.difference_update(event.block_hashes)
-                self._append(worker_id, {"type": "removed", "block_hashes": event.block_hashes})
-            elif isinstance(event, AllBlocksCleared) and held:
-                self._append(worker_id, {"type": "removed", "block_hashes": sorted(held)})
-                held.clear()
+    def stored(self, worker_id: str, event: BlockStored) -> None:
+        self._append(worker_id, _stored(event))
+
+    def removed(self, worker_id: str, block_hashes: list[int]) -> None:
+        if block_hashes:
+            self._append(worker_id, {"type": "removed", "block_hashes": block_hashes})
 
     def drain(self) -> bytes:
         """Every queued event as a JSON array, oldest first; the queue is emptied."""

@@ -73,6 +73,7 @@ class RequestRecord:
     context_worker: WorkerRecord | None = None
     generation_worker: WorkerRecord | None = None
     prefill_attempts: int = 0
+    block_hashes: list[int] | None = None  # of the prompt, for the kv_aware router
 
     @property
     def request_id(self) -> str:
@@ -166,15 +167,18 @@ class Orchestrator:
             self.broadcast_peers(out, skip=message.worker_id)
 
     def on_kv_events(self, message: KVEvents) -> None:
-        index, worker_id = self.prefix_index, message.worker_id
+        """Feed the router's index and the /kv_cache_events queue, in event order."""
+        index, log, worker_id = self.prefix_index, self.kv_events, message.worker_id
         for event in message.events:
             if isinstance(event, BlockStored):
                 index.stored(worker_id, event.block_hashes)
+                log.stored(worker_id, event)
             elif isinstance(event, BlockRemoved):
                 index.removed(worker_id, event.block_hashes)
-            else:
+                log.removed(worker_id, event.block_hashes)
+            else:  # cleared: TensorRT-LLM's consumers only know removals
+                log.removed(worker_id, sorted(index.held(worker_id)))
                 index.cleared(worker_id)
-        self.kv_events.record(worker_id, message.events)
 
     def peers(self) -> Registered:
         addresses = [w.address for w in self.registry.ready("postproc")]
@@ -287,9 +291,14 @@ class Orchestrator:
         out.append((worker.worker_id.encode(), decode))
 
     def hashes(self, record: RequestRecord) -> list[int]:
-        salt = record.request.cache_salt
-        extra = (("cache_salt", salt),) if salt else ()
-        return block_hashes(record.prompt_token_ids, self.config.kv_cache.block_size, extra)
+        """The prompt's block hashes, computed once per request (prefill and decode routing)."""
+        if record.block_hashes is None:
+            record.block_hashes = block_hashes(
+                record.prompt_token_ids,
+                self.config.kv_cache.block_size,
+                record.request.extra_keys,
+            )
+        return record.block_hashes
 
     def assign(self, record: RequestRecord, worker: WorkerRecord, slot: str) -> None:
         setattr(record, slot, worker)

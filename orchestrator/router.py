@@ -50,6 +50,9 @@ class PrefixIndex:
     def cleared(self, worker_id: str) -> None:
         self._blocks[worker_id] = set()
 
+    def held(self, worker_id: str) -> set[int]:
+        return set(self._blocks.get(worker_id, ()))
+
     def forget(self, worker_id: str) -> None:
         self._blocks.pop(worker_id, None)
 

@@ -49,13 +49,7 @@ class PostprocWorker:
             pid=os.getpid(),
             address=self.address,
         )
-        self.link = OrchestratorLink(
-            context,
-            config.orchestrator.address,
-            register,
-            config.orchestrator.heartbeat_interval_seconds,
-            self.stats,
-        )
+        self.link = OrchestratorLink(context, config.orchestrator, register, self.stats)
         self.poller = zmq.Poller()
         self.poller.register(self.tokens, zmq.POLLIN)
         self.poller.register(self.link.socket, zmq.POLLIN)

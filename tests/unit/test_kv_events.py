@@ -9,8 +9,10 @@ import msgspec
 
 from common.config import parse_cluster_config
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from common.protocol import KVEvents
 from engine.serving import event_endpoints
 from orchestrator.kv_event_log import KVEventLog
+from orchestrator.orchestrator import Orchestrator
 
 
 def test_batches_are_positional_with_tagged_event_maps() -> None:
@@ -29,10 +31,13 @@ def test_batches_are_positional_with_tagged_event_maps() -> None:
 
 
 def test_log_drains_tensorrt_llm_events_and_expands_cleared() -> None:
-    log = KVEventLog(max_events=100)
+    orchestrator = Orchestrator(parse_cluster_config(""))
+    log = orchestrator.kv_events
     log.created("gen-0", 64)
-    log.record("gen-0", [BlockStored([1, 2], None, [10, 11, 12, 13], 2), BlockRemoved([1])])
-    log.record("gen-0", [AllBlocksCleared()])
+    stored = BlockStored([1, 2], None, [10, 11, 12, 13], 2)
+    orchestrator.on_kv_events(KVEvents(worker_id="gen-0", events=[stored, BlockRemoved([1])]))
+    orchestrator.on_kv_events(KVEvents(worker_id="gen-0", events=[AllBlocksCleared()]))
+    assert orchestrator.prefix_index.held("gen-0") == set()
     events = json.loads(log.drain())
     assert [e["data"]["type"] for e in events] == ["created", "stored", "removed", "removed"]
     assert [e["event_id"] for e in events] == [0, 1, 2, 3]
@@ -46,7 +51,7 @@ def test_log_drains_tensorrt_llm_events_and_expands_cleared() -> None:
 def test_a_slow_poller_loses_the_oldest_events_and_sees_the_gap() -> None:
     log = KVEventLog(max_events=2)
     for i in range(5):
-        log.record("ctx-0", [BlockRemoved([i])])
+        log.removed("ctx-0", [i])
     assert [e["event_id"] for e in json.loads(log.drain())] == [3, 4]
 
 

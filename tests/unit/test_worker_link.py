@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from common.config import OrchestratorConfig
 from common.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -41,7 +42,8 @@ def make_link(address: str) -> OrchestratorLink:
     register = Register(
         worker_id="gen-0", role="generation", protocol_version=PROTOCOL_VERSION, pid=1
     )
-    return OrchestratorLink(zmq.Context.instance(), address, register, 0.01, WorkerStats)
+    orchestrator = OrchestratorConfig(address=address, heartbeat_interval_seconds=0.01)
+    return OrchestratorLink(zmq.Context.instance(), orchestrator, register, WorkerStats)
 
 
 def answer_registration(router: zmq.Socket, reply: object) -> threading.Thread:
