@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.errors import validation_location
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 ZmqAddress = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
@@ -130,8 +132,6 @@ def parse_cluster_config(text: str, source: str = "cluster.yaml") -> ClusterConf
 
 
 def _readable(message: str) -> str:
-    """msgspec says 'Expected `int` >= 1 - at `$.kv_cache.block_size`'; lead with the key."""
-    reason, sep, where = message.rpartition(" - at `$.")
-    if not sep:
-        return message
-    return f"{where.rstrip('`')}: {reason}"
+    """Lead with the key: 'kv_cache.block_size: Expected `int` >= 1'."""
+    reason, path = validation_location(message)
+    return f"{path}: {reason}" if path else reason

@@ -53,3 +53,10 @@ def error_body(
         code=code,
     )
     return msgspec.json.encode(ErrorResponse(error=detail))
+
+
+def validation_location(message: str) -> tuple[str, str | None]:
+    """Split msgspec's 'Expected `int` >= 1 - at `$.kv_cache.block_size`' into the reason and
+    the path ('kv_cache.block_size'); None when the message names no place."""
+    reason, sep, where = message.rpartition(" - at `$.")
+    return (reason, where.rstrip("`")) if sep else (message, None)

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ClusterConfig
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, validation_location
 from common.protocol import Chunk, GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
 from frontend import anthropic, chat, completions, metrics
@@ -286,10 +286,10 @@ def _probe_request(model: ModelInfo, reply_to: str) -> GenerateRequest:
 
 
 def _param_of(message: str) -> str | None:
-    """msgspec ends its messages with `- at `$.field``, or names an unknown field in backticks."""
-    _, sep, where = message.rpartition(" - at `$.")
-    if sep:
-        return where.rstrip("`").split("[")[0]
+    """The request field a msgspec message points at (or the unknown field it names)."""
+    _, path = validation_location(message)
+    if path is not None:
+        return path.split("[")[0]
     if message.startswith("Object contains unknown field `"):
         return message.split("`")[1]
     return None

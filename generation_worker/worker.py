@@ -374,9 +374,10 @@ class GenerationWorker:
         pull = self.pulls.pop(request_id, None)
         if pull is not None and pull.handle is not None:
             self.agent.release(pull.handle)  # cancel the READ before its blocks are freed
-        if pull is not None or active.decode in self.waiting:
-            if active.decode in self.waiting:
-                self.waiting.remove(active.decode)
+        queued = any(d is active.decode for d in self.waiting)  # identity: no deep compare
+        if queued:
+            self.waiting = deque(d for d in self.waiting if d is not active.decode)
+        if pull is not None or queued:
             self.release_source(active.decode)
         self.engine.abort(request_id)
         self.end(active)
