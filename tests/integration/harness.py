@@ -71,8 +71,9 @@ class Cluster:
                 return info
             time.sleep(0.2)
 
-    def log_tail(self, num_chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+    def log_tail(self, num_chars: int | None = 6000) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return text if num_chars is None else text[-num_chars:]
 
 
 def write_config(
@@ -101,18 +102,21 @@ def write_config(
 
 
 def wait_healthy(cluster: Cluster) -> None:
+    """Until `orchestrator up` says it serves (every process ready: until then any exit aborts the
+    start-up, so a test must not kill one earlier) and /health agrees."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if cluster.process.poll() is not None:
             pytest.fail(
                 f"orchestrator up exited with {cluster.process.returncode}:\n{cluster.log_tail()}"
             )
-        try:
-            with urllib.request.urlopen(f"{cluster.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
+        if "Serving on http://" in cluster.log_tail(num_chars=None):
+            try:
+                with urllib.request.urlopen(f"{cluster.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
         time.sleep(0.5)
     pytest.fail(f"the cluster was not healthy within {START_TIMEOUT_S} s:\n{cluster.log_tail()}")
 
