@@ -11,7 +11,7 @@ concurrency level. Figures are medians of `--repeats` runs.
 - `levels.<c>`: the default (disaggregated) cluster at c concurrent streaming clients: output
   tokens/s, requests/s, TTFT and inter-token latency p50/p99.
 - `pipeline_efficiency`: cluster tokens/s at 32 clients ÷ the in-process engine on the same
-  requests (no HTTP, no ZMQ, no NIXL).
+  requests, at most 32 at a time like the clients (no HTTP, no ZMQ, no NIXL).
 - `vs_hf_sequential` / `vs_hf_batched`: cluster tokens/s at 32 clients ÷ HF generate one request
   at a time / as one padded batch.
 - `prefix_ttft_ratio`: TTFT of a 1k-token prompt the second time (prefix cache warm) ÷ the first.
@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,16 +95,14 @@ class Cluster:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
+        log_path = Path(self.log.name)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the {mode} cluster exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
+            if "Serving on http://" in log_path.read_text(errors="replace"):
+                return  # every process is registered and /health said 200
+            time.sleep(0.5)
         raise RuntimeError(f"the {mode} cluster did not start; see {self.log.name}")
 
     def stop(self) -> None:
@@ -247,7 +244,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     prompt_len, output_len = tuple(args.prompt_len), tuple(args.output_len)
 
-    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=64,
+    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=HEADLINE_CONCURRENCY,
               dtype="bfloat16" if args.device == "cuda" else "float32")  # fmt: skip
     tokenizer = llm.tokenizer
     served_name = args.model

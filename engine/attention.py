@@ -1,6 +1,7 @@
-"""Attention dispatch: the one place that picks the Triton kernels or the torch reference.
+"""Attention dispatch: the one place that picks the Triton kernels or the torch path.
 
-"auto" runs Triton on CUDA tensors and torch elsewhere; "torch" and "triton" force one path (the
+"auto" runs Triton on CUDA tensors and the torch path (kernels/torch_paged.py, the reference's
+maths arranged for a CPU) elsewhere; "torch" and "triton" force one path (the
 engine config passes the choice down; nothing here reads the environment). Forcing "triton" on CPU
 tensors works only under the Triton interpreter (TRITON_INTERPRET=1); the tests drive it so.
 
@@ -16,11 +17,8 @@ from typing import Literal
 
 import torch
 
-from engine.kernels.reference import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kv_ref,
-)
+from engine.kernels import torch_paged
+from engine.kernels.reference import store_kv_ref
 
 AttentionBackend = Literal["auto", "torch", "triton"]
 
@@ -45,7 +43,7 @@ def decode_attention(
         return decode.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
         )
-    return paged_decode_attention_ref(
+    return torch_paged.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
     )
 
@@ -72,7 +70,7 @@ def prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
             sliding_window, soft_cap,
         )  # fmt: skip
-    return paged_prefill_attention_ref(
+    return torch_paged.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
         sliding_window, soft_cap,
     )  # fmt: skip

@@ -29,7 +29,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine import attention  # noqa: E402
-from engine.kernels import decode, prefill, store_kv  # noqa: E402
+from engine.kernels import decode, prefill, store_kv, torch_paged  # noqa: E402
 from engine.kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -265,6 +265,52 @@ def test_prefill_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
     for window, cap in [(16, None), (None, 3.0), (9, 5.0)]:
         expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
         _assert_close(prefill.paged_prefill_attention(*args, window, cap), expected)
+
+
+# --- the torch path (the CPU's) against the reference ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", DECODE_SHAPES)
+def test_torch_path_decode_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    torch.manual_seed(8)
+    lens = [150, 1, 37, 90]  # unsorted: the path sorts by length and must put rows back
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
+    q = 4 * torch.randn(len(lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
+    for window, cap in [(None, None), (20, None), (None, 3.0), (33, 5.0)]:
+        expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
+        _assert_close(torch_paged.paged_decode_attention(*args, window, cap), expected)
+
+
+def test_torch_path_decode_groups_cover_every_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small group budget: many groups, a sequence longer than the budget alone in its group."""
+    assert torch_paged._groups([3, 5, 5, 9, 40], max_tokens=12) == [
+        slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)
+    ]  # fmt: skip
+    torch.manual_seed(9)
+    lens = [int(n) for n in torch.randint(1, 200, (24,))]
+    cache = PagedCache(lens, 2, 64, 16, torch.float32)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
+    monkeypatch.setattr(torch_paged, "GROUP_BYTES", 100 * 2 * 2 * 64 * 4)  # 100 tokens' K and V
+    _assert_close(torch_paged.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+
+
+@pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", PREFILL_SHAPES)
+def test_torch_path_prefill_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    torch.manual_seed(10)
+    prefix_lens, q_lens = [0, 45, 19, 7], [70, 1, 22, 0]  # fresh, decode-like, extend, empty
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
+    q, cu = _packed_queries(q_lens, num_heads, head_dim, dtype)
+    args = (4 * q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
+    for window, cap in [(None, None), (16, None), (9, 5.0)]:
+        expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
+        _assert_close(torch_paged.paged_prefill_attention(*args, window, cap), expected)
 
 
 # --- store_kv and the dispatch --------------------------------------------------------------------

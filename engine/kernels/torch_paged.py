@@ -1,0 +1,140 @@
+"""The torch path: the reference's maths arranged for speed where no Triton kernel runs (the CPU).
+
+reference.py states the maths plainly and pays for it: advanced indexing gathers every
+sequence's keys padded to the longest, and einsum copies them twice more into the layouts a
+matrix multiply wants. On a CPU those copies are most of a decode step. Here:
+
+- decode sorts the sequences by length and, a cache-sized group at a time, gathers their blocks
+  once with index_select into (group, padded_len, kv_heads, head_dim) and reads each KV head's
+  keys and values in place as strided matrices, which batched matrix multiplies take without a
+  copy; the mask is an additive bias folded into the first multiply;
+- prefill/extend runs each sequence through scaled_dot_product_attention, which has a fused
+  CPU kernel and handles GQA itself (soft-capping, which it lacks, takes the reference).
+
+Both compute in float32 like the reference; tests/unit/test_kernels.py holds them to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.reference import key_mask, paged_prefill_attention_ref
+
+# K and V of one group of decode sequences: about what a CPU core's caches keep while the group's
+# multiplies read them back (measured on the tiny model: half the time of one whole-batch group).
+GROUP_BYTES = 2 << 20
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention_ref: (batch, num_heads, head_dim).
+
+    Sequences are sorted by length and taken in groups whose gathered K/V fit GROUP_BYTES:
+    similar lengths pad little, and a group's keys are still in cache when they are multiplied."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    lens, order = torch.sort(context_lens.long())
+    token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V, in float32
+    out = torch.empty_like(q)
+    for rows in _groups(lens.tolist(), max(1, GROUP_BYTES // token_bytes)):
+        seqs = order[rows]
+        out[seqs] = _decode_group(
+            q[seqs], k_cache, v_cache, block_tables[seqs], lens[rows], scale, sliding_window,
+            soft_cap,
+        )  # fmt: skip
+    return out
+
+
+def _groups(sorted_lens: list[int], max_tokens: int) -> list[slice]:
+    """Consecutive runs of the sorted sequences whose padded lengths add up to at most
+    `max_tokens` (a longer sequence makes a group of its own)."""
+    groups, start = [], 0
+    for end in range(1, len(sorted_lens) + 1):
+        if end == len(sorted_lens) or (end + 1 - start) * sorted_lens[end] > max_tokens:
+            groups.append(slice(start, end))
+            start = end
+    return groups
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-int(lens.max()) // block_size)
+    padded_len = num_blocks * block_size
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    k = k_cache.index_select(0, ids).view(batch, padded_len, num_kv_heads, head_dim).float()
+    v = v_cache.index_select(0, ids).view(batch, padded_len, num_kv_heads, head_dim).float()
+    allowed = key_mask((lens - 1)[:, None], lens, padded_len, sliding_window)  # (batch, 1, keys)
+    bias = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
+    qg = q.view(batch, num_kv_heads, group, head_dim).float()
+    out = torch.empty(num_kv_heads, batch, group, head_dim, device=q.device)
+    for h in range(num_kv_heads):
+        keys_t = k[:, :, h].transpose(1, 2)  # (batch, head_dim, padded_len), a strided view
+        if soft_cap is None:
+            scores = torch.baddbmm(bias, qg[:, h], keys_t, alpha=scale)
+        else:
+            scores = torch.bmm(qg[:, h], keys_t).mul_(scale / soft_cap).tanh_()
+            scores = scores.mul_(soft_cap).add_(bias)
+        # Every row keeps its own position (the query token), so no row is all -inf.
+        torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[h])
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.paged_prefill_attention_ref: q's shape."""
+    if soft_cap is not None:
+        return paged_prefill_attention_ref(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            sliding_window, soft_cap,
+        )  # fmt: skip
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, total in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        if start == end:
+            continue  # an empty chunk
+        num_blocks = -(-total // block_size)
+        ids = block_tables[b, :num_blocks]
+        k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
+        v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
+        query_pos = torch.arange(total - (end - start), total, device=q.device)
+        allowed = key_mask(query_pos[None], context_lens[b : b + 1].long(), total, sliding_window)
+        attended = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).float(),  # (num_heads, q_len, head_dim)
+            k.transpose(0, 1).float(),
+            v.transpose(0, 1).float(),
+            attn_mask=allowed,  # (1, q_len, keys), broadcast over heads
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
