@@ -13,7 +13,7 @@ turns the interpreter on (a test session) must still be able to.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -34,8 +34,12 @@ def decode_attention(
     soft_cap: float | None = None,
     *,
     backend: AttentionBackend = "auto",
+    shared: dict[str, object] | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged context: (batch, num_heads, head_dim)."""
+    """One query token per sequence over its paged context: (batch, num_heads, head_dim).
+
+    `shared`: a dict the layers of one forward pass share; the torch path keeps its plan there
+    (sort and grouping of the sequences, gather indices, masks), made by the first layer."""
     if _use_triton(backend, q):
         from engine.kernels import decode
 
@@ -43,8 +47,14 @@ def decode_attention(
         return decode.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
         )
+    key = f"torch_decode_plan/{sliding_window}"  # layers may differ in their window
+    plan = cast("list[torch_paged.DecodeGroup] | None", (shared or {}).get(key))
+    if plan is None:
+        plan = torch_paged.plan_decode(k_cache, block_tables, context_lens, sliding_window)
+        if shared is not None:
+            shared[key] = plan
     return torch_paged.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
+        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap, plan
     )
 
 

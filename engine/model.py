@@ -9,7 +9,7 @@ cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # (num_prefills + 1,) int32
     prefill_context_lens: torch.Tensor  # (num_prefills,) int32, prefix + chunk
     backend: attention.AttentionBackend = "auto"
+    shared: dict[str, object] = field(default_factory=dict)  # per pass, see decode_attention
 
 
 class RMSNorm(nn.Module):
@@ -136,6 +137,7 @@ class Attention(nn.Module):
                 attention.decode_attention(
                     q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                     self.scale, sliding_window=self.sliding_window, backend=meta.backend,
+                    shared=meta.shared,
                 )
             )  # fmt: skip
         if nd < q.shape[0]:

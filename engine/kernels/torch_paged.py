@@ -16,6 +16,9 @@ Both compute in float32 like the reference; tests/unit/test_kernels.py holds the
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +27,50 @@ from engine.kernels.reference import key_mask, paged_prefill_attention_ref
 # K and V of one group of decode sequences: about what a CPU core's caches keep while the group's
 # multiplies read them back (measured on the tiny model: half the time of one whole-batch group).
 GROUP_BYTES = 2 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Sequences of similar length attended together: what every layer of one step reuses."""
+
+    seqs: torch.Tensor  # (group,) their rows in the batch
+    block_ids: torch.Tensor  # (group * num_blocks,) their first num_blocks blocks, row by row
+    bias: torch.Tensor  # (group, 1, num_blocks * block_size): 0 for a key it sees, else -inf
+    padded_len: int  # num_blocks * block_size
+
+
+def plan_decode(
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> list[DecodeGroup]:
+    """Sort the sequences by length and cut them into groups whose gathered K/V fit GROUP_BYTES:
+    similar lengths pad little, and a group's keys are still in cache when they are multiplied."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V, in float32
+    lens, order = torch.sort(context_lens.long())
+    groups = []
+    for rows in _runs(lens.tolist(), max(1, GROUP_BYTES // token_bytes)):
+        seqs, group_lens = order[rows], lens[rows]
+        num_blocks = -(-int(group_lens[-1]) // block_size)
+        padded_len = num_blocks * block_size
+        allowed = key_mask((group_lens - 1)[:, None], group_lens, padded_len, sliding_window)
+        bias = torch.zeros(allowed.shape, device=lens.device).masked_fill_(~allowed, -math.inf)
+        block_ids = block_tables[seqs, :num_blocks].reshape(-1)
+        groups.append(DecodeGroup(seqs, block_ids, bias, padded_len))
+    return groups
+
+
+def _runs(sorted_lens: list[int], max_tokens: int) -> list[slice]:
+    """Consecutive runs of the sorted sequences whose padded lengths add up to at most
+    `max_tokens` (a longer sequence makes a run of its own)."""
+    runs, start = [], 0
+    for end in range(1, len(sorted_lens) + 1):
+        if end == len(sorted_lens) or (end + 1 - start) * sorted_lens[end] > max_tokens:
+            runs.append(slice(start, end))
+            start = end
+    return runs
 
 
 def paged_decode_attention(
@@ -35,64 +82,41 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    plan: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: (batch, num_heads, head_dim).
-
-    Sequences are sorted by length and taken in groups whose gathered K/V fit GROUP_BYTES:
-    similar lengths pad little, and a group's keys are still in cache when they are multiplied."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    lens, order = torch.sort(context_lens.long())
-    token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V, in float32
+    `plan` (plan_decode of the same tables and lengths) lets the layers of a step share one."""
+    if plan is None:
+        plan = plan_decode(k_cache, block_tables, context_lens, sliding_window)
     out = torch.empty_like(q)
-    for rows in _groups(lens.tolist(), max(1, GROUP_BYTES // token_bytes)):
-        seqs = order[rows]
-        out[seqs] = _decode_group(
-            q[seqs], k_cache, v_cache, block_tables[seqs], lens[rows], scale, sliding_window,
-            soft_cap,
-        )  # fmt: skip
+    for group in plan:
+        out[group.seqs] = _attend_group(q[group.seqs], k_cache, v_cache, group, scale, soft_cap)
     return out
 
 
-def _groups(sorted_lens: list[int], max_tokens: int) -> list[slice]:
-    """Consecutive runs of the sorted sequences whose padded lengths add up to at most
-    `max_tokens` (a longer sequence makes a group of its own)."""
-    groups, start = [], 0
-    for end in range(1, len(sorted_lens) + 1):
-        if end == len(sorted_lens) or (end + 1 - start) * sorted_lens[end] > max_tokens:
-            groups.append(slice(start, end))
-            start = end
-    return groups
-
-
-def _decode_group(
+def _attend_group(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: torch.Tensor,
+    group: DecodeGroup,
     scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_blocks = -(-int(lens.max()) // block_size)
-    padded_len = num_blocks * block_size
-    ids = block_tables[:, :num_blocks].reshape(-1)
-    k = k_cache.index_select(0, ids).view(batch, padded_len, num_kv_heads, head_dim).float()
-    v = v_cache.index_select(0, ids).view(batch, padded_len, num_kv_heads, head_dim).float()
-    allowed = key_mask((lens - 1)[:, None], lens, padded_len, sliding_window)  # (batch, 1, keys)
-    bias = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
-    qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    out = torch.empty(num_kv_heads, batch, group, head_dim, device=q.device)
+    num_kv_heads = k_cache.shape[2]
+    kv_shape = (batch, group.padded_len, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, group.block_ids).view(kv_shape).float()
+    v = v_cache.index_select(0, group.block_ids).view(kv_shape).float()
+    group_size = num_heads // num_kv_heads
+    qg = q.view(batch, num_kv_heads, group_size, head_dim).float()
+    out = torch.empty(num_kv_heads, batch, group_size, head_dim, device=q.device)
     for h in range(num_kv_heads):
         keys_t = k[:, :, h].transpose(1, 2)  # (batch, head_dim, padded_len), a strided view
         if soft_cap is None:
-            scores = torch.baddbmm(bias, qg[:, h], keys_t, alpha=scale)
+            scores = torch.baddbmm(group.bias, qg[:, h], keys_t, alpha=scale)
         else:
             scores = torch.bmm(qg[:, h], keys_t).mul_(scale / soft_cap).tanh_()
-            scores = scores.mul_(soft_cap).add_(bias)
+            scores = scores.mul_(soft_cap).add_(group.bias)
         # Every row keeps its own position (the query token), so no row is all -inf.
         torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[h])
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)

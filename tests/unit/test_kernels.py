@@ -286,7 +286,7 @@ def test_torch_path_decode_matches_reference(
 
 def test_torch_path_decode_groups_cover_every_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small group budget: many groups, a sequence longer than the budget alone in its group."""
-    assert torch_paged._groups([3, 5, 5, 9, 40], max_tokens=12) == [
+    assert torch_paged._runs([3, 5, 5, 9, 40], max_tokens=12) == [
         slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)
     ]  # fmt: skip
     torch.manual_seed(9)
@@ -296,6 +296,22 @@ def test_torch_path_decode_groups_cover_every_sequence(monkeypatch: pytest.Monke
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
     monkeypatch.setattr(torch_paged, "GROUP_BYTES", 100 * 2 * 2 * 64 * 4)  # 100 tokens' K and V
     _assert_close(torch_paged.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+
+
+def test_torch_path_plan_is_made_once_per_pass_and_per_window() -> None:
+    """The layers of one forward pass share a dict: the first layer's plan serves the others
+    (their caches differ, their tables and lengths do not); another window gets its own."""
+    torch.manual_seed(11)
+    layers = [PagedCache([30, 5, 61], 2, 64, 16, torch.float32) for _ in range(2)]
+    tables, lens = layers[0].block_tables, layers[0].context_lens
+    q = torch.randn(3, 8, 64, device=DEVICE)
+    shared: dict[str, object] = {}
+    for window in (None, None, 12):
+        for layer in layers:
+            args = (q, layer.k, layer.v, tables, lens, 0.125, window)
+            out = attention.decode_attention(*args, backend="torch", shared=shared)
+            _assert_close(out, paged_decode_attention_ref(*args))
+    assert sorted(shared) == ["torch_decode_plan/12", "torch_decode_plan/None"]
 
 
 @pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", PREFILL_SHAPES)
