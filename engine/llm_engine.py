@@ -17,7 +17,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model import load_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, SampleResult, SamplingState, make_generator
+from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -153,7 +153,7 @@ class LLMEngine:
             params=params,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=[],
-            generator=make_generator(params.seed, index) if params.seed is not None else None,
+            seed=choice_seed(params.seed, index) if params.seed is not None else None,
             eos_token_ids=self.eos_token_ids,
             matcher=self.grammars.matcher(params.guided) if params.guided is not None else None,
         )

@@ -23,16 +23,29 @@ from engine.guided import apply_grammar_masks
 _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-5  # dividing by less overflows float32; such rows are greedy in all but name
 _MAX_LOGIT = 1e4  # a +inf logit from the model becomes this, so softmax stays finite
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: sibling choices of one seed start far apart
+_MASK64 = (1 << 64) - 1
 
 
-def make_generator(
-    seed: int, index: int = 0, device: str | torch.device = "cpu"
-) -> torch.Generator:
+def choice_seed(seed: int, index: int = 0) -> int:
     """The random stream of choice `index` of a seeded request: one seed, n distinct choices."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+
+
+def draw_generator(stream: int, position: int, device: str | torch.device) -> torch.Generator:
+    """The generator for output token `position` of a stream. A draw depends on (seed, choice,
+    position) only, so a context worker's first token and a generation worker's later ones come
+    out as in one process, and a retried or recomputed request repeats itself."""
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed + index * _SEED_STRIDE) % (1 << 64))
+    generator.manual_seed(_splitmix64(stream ^ position))
     return generator
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixer (SplitMix64's finaliser): nearby inputs give unrelated seeds."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass(slots=True)
@@ -42,7 +55,7 @@ class SamplingState:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None  # make_generator(params.seed, index) when seeded
+    seed: int | None = None  # choice_seed(params.seed, index) when seeded
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids, masked during min_tokens
     matcher: llguidance.LLMatcher | None = None  # params.guided's grammar state (engine/guided.py)
 
@@ -113,12 +126,14 @@ def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """argmax(p / q) with q ~ Exp(1) draws from p (an exponential race), one noise row per row."""
     probs = torch.softmax(warp_logits(x, states), dim=-1)  # (num_sampled, vocab_size)
     noise = torch.empty_like(probs)  # (num_sampled, vocab_size)
-    seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
+    seeded = [
+        (i, s.seed, len(s.output_token_ids)) for i, s in enumerate(states) if s.seed is not None
+    ]
     if len(seeded) < len(states):
         noise.exponential_()  # unseeded rows share one draw from the global generator
-    for i, generator in seeded:
+    for i, stream, position in seeded:
         # A seeded row draws from its own stream only, so batch composition cannot change it.
-        noise[i].exponential_(generator=generator)
+        noise[i].exponential_(generator=draw_generator(stream, position, x.device))
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0 = NaN
     return (probs / noise).argmax(dim=-1)  # (num_sampled,)
 

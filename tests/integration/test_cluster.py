@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
 from engine.tiny_model import TEST_PROMPTS
 from tests.integration.harness import MODEL, Cluster
 
@@ -149,7 +151,12 @@ def test_first_token_that_ends_the_request(cluster: Cluster, hf_texts: dict[str,
     assert hf_texts[prompt].startswith(result.choices[0].text)
 
 
-def test_n_sampled_choices_with_logprobs(cluster: Cluster) -> None:
+def test_n_seeded_choices_with_logprobs_sample_like_the_engine_in_process(
+    cluster: Cluster, tiny_model_path: Path
+) -> None:
+    """A seeded draw depends on (seed, choice, position) only, so whether the first token comes
+    from a context worker and the rest from a generation worker or all from one, the text is the
+    in-process engine's."""
     result = client(cluster).completions.create(
         model=MODEL,
         prompt=TEST_PROMPTS[4],
@@ -159,6 +166,11 @@ def test_n_sampled_choices_with_logprobs(cluster: Cluster) -> None:
         n=3,
         logprobs=2,
     )
+    params = SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=8)
+    (expected,) = LLM(str(tiny_model_path), num_blocks=64).generate([TEST_PROMPTS[4]], params)
+    texts = {c.index: c.text for c in result.choices}
+    assert texts == {out.index: out.text for out in expected.outputs}
+    assert len(set(texts.values())) == 3
     assert sorted(c.index for c in result.choices) == [0, 1, 2]
     for choice in result.choices:
         assert choice.finish_reason in ("length", "stop")

@@ -91,13 +91,18 @@ def test_second_pull_of_a_shared_prompt_reads_only_uncached_blocks(engines) -> N
     assert generation.kv.usage.used == 0 and context.kv.usage.used == 0
 
 
-def test_n_choices_share_the_pulled_prompt(engines) -> None:
+def test_seeded_n_choices_share_the_pulled_prompt_and_sample_like_one_engine(engines) -> None:
+    """A seeded draw depends on (seed, choice, position) only: the first token sampled on the
+    context engine and the rest on the generation engine are what one engine samples."""
     context, generation, reference = engines
     prompt = list(range(200, 219))
-    params = SamplingParams(temperature=0.8, max_tokens=6, n=3, seed=5)
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=5)
     got = prefill_and_pull(context, generation, "n3", prompt, params)
     assert sorted(got) == [0, 1, 2]
-    assert all(len(tokens) == 6 for tokens in got.values())
+    assert all(len(tokens) == 12 for tokens in got.values())
+    reference.add_request("n3", prompt, params)
+    assert got == tokens_by_choice(run_to_end(reference))
+    assert len({tuple(tokens) for tokens in got.values()}) == 3  # the choices differ
     assert context.kv.usage.used == 0 and generation.kv.usage.used == 0
 
 

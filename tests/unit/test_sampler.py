@@ -21,7 +21,7 @@ from engine.sampler import (
     Sampler,
     SamplingState,
     adjust_logits,
-    make_generator,
+    choice_seed,
     warp_logits,
 )
 
@@ -36,8 +36,8 @@ def _state(
     **params: Any,
 ) -> SamplingState:
     sampling = SamplingParams(**params)
-    generator = None if sampling.seed is None else make_generator(sampling.seed, index)
-    return SamplingState(sampling, list(prompt or []), list(output or []), generator, eos)
+    seed = None if sampling.seed is None else choice_seed(sampling.seed, index)
+    return SamplingState(sampling, list(prompt or []), list(output or []), seed, eos)
 
 
 def _logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -222,9 +222,11 @@ def test_seeded_row_is_the_same_alone_and_in_a_mixed_batch() -> None:
     for step in range(8):
         logits = _logits(5, vocab=vocab, seed=step, scale=0.5)  # flat: many plausible tokens
         alone_tokens += sampler(logits[2:3], [alone]).token_ids
+        alone.append(alone_tokens[-1])
         torch.manual_seed(step)  # moves the shared stream, which seeded rows must not depend on
         batch = others[:2] + [batched] + others[2:]
         batched_tokens.append(sampler(logits, batch).token_ids[2])
+        batched.append(batched_tokens[-1])
     assert alone_tokens == batched_tokens
 
 
@@ -232,18 +234,25 @@ def test_different_seeds_and_choice_indices_give_different_tokens() -> None:
     logits = torch.zeros(1, 1000)  # uniform
     sampler = Sampler()
 
-    def run(seed: int, index: int) -> list[int]:
-        state = _state(seed=seed, index=index)
-        return [sampler(logits, [state]).token_ids[0] for _ in range(10)]
+    def run(seed: int, index: int, output: list[int] | None = None) -> list[int]:
+        state = _state(seed=seed, index=index, output=output)
+        for _ in range(10):
+            state.append(sampler(logits, [state]).token_ids[0])
+        return state.output_token_ids
 
     assert run(1, 0) == run(1, 0)
     assert run(1, 0) != run(2, 0)
     assert run(1, 0) != run(1, 1)
+    assert len(set(run(1, 0))) > 5  # each position draws afresh
+    # A draw depends on the position, not on how the state got there: resuming after the first
+    # token (what a generation worker does after the context worker's) continues the same way.
+    whole = run(1, 0)
+    assert run(1, 0, output=whole[:1])[:10] == whole
 
 
-def test_make_generator_accepts_any_int_seed() -> None:
-    for seed in (-1, 0, 2**63, 2**64 - 1, 2**70):
-        make_generator(seed, index=3)
+def test_choice_seed_accepts_any_int_seed() -> None:
+    seeds = {choice_seed(seed, index=3) for seed in (-1, 0, 2**63, 2**64 - 1, 2**70)}
+    assert all(0 <= s < 2**64 for s in seeds) and len(seeds) == 3  # taken modulo 2**64
 
 
 @pytest.mark.parametrize("params", [{}, {"temperature": 0.6, "top_k": 5}])
