@@ -179,6 +179,12 @@ class Heartbeat(_Message, tag="heartbeat"):
     stats: WorkerStats | None = None
 
 
+# TokenDelta.finish_reason of a request that failed: its postproc worker drops it and sends the
+# frontend nothing, since the frontend hears of the failure (the error to answer) from the
+# orchestrator.
+FAILED = "error"
+
+
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one choice of one request, from one engine step."""
 

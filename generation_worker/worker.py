@@ -19,6 +19,7 @@ import zmq
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import (
+    FAILED,
     PROTOCOL_VERSION,
     Abort,
     DecodeRequest,
@@ -337,15 +338,18 @@ class GenerationWorker:
         )
         self.link.send(finished)
 
-    def end(self, active: ActiveRequest) -> None:
-        """End every unfinished choice as aborted, so the postproc worker drops the request."""
+    def end(self, active: ActiveRequest, reason: str = "abort") -> None:
+        """End every unfinished choice, so the postproc worker drops the request: "abort" (the
+        client is gone or a stop string ended it) closes the response normally; FAILED closes
+        nothing, the frontend hears of the failure from the orchestrator (an "abort" ending could
+        reach it first and turn the error into a truncated 200)."""
         if active.announced:
             ends = [
-                TokenDelta(active.request_id, i, [], finish_reason="abort")
+                TokenDelta(active.request_id, i, [], finish_reason=reason)
                 for i in sorted(active.unfinished)
             ]
             self.queue(active, ends)
-        self.finish(active, "abort")
+        self.finish(active, reason)
 
     def fail(
         self,
@@ -365,7 +369,7 @@ class GenerationWorker:
             )
         )
         self.engine.abort(active.request_id)
-        self.end(active)
+        self.end(active, FAILED)
 
     def abort(self, request_id: str) -> None:
         active = self.active.get(request_id)

@@ -16,6 +16,7 @@ import zmq
 from common.config import ClusterConfig
 from common.errors import error_body
 from common.protocol import (
+    FAILED,
     PROTOCOL_VERSION,
     Abort,
     Chunk,
@@ -78,6 +79,9 @@ class PostprocWorker:
             state = self.requests.get(delta.request_id)
             if state is None:
                 continue  # already done (a stop string ended it), or never announced
+            if delta.finish_reason == FAILED:
+                self.end(delta.request_id, upstream=False)  # the orchestrator tells the frontend
+                continue
             try:
                 out = state.add(delta)
             except Exception:  # a formatter bug must cost one request, not the worker

@@ -178,6 +178,43 @@ def test_postproc_worker_killed(cluster: Cluster) -> None:
     assert leaked == 0
 
 
+def health(cluster: Cluster) -> tuple[int, str]:
+    response = httpx.get(f"{cluster.url}/health", timeout=5)
+    return response.status_code, response.text
+
+
+def test_health_is_503_while_a_role_has_no_live_worker(cluster: Cluster) -> None:
+    """Both generation workers frozen (SIGSTOP: no heartbeats, and no exit for the supervisor to
+    restart): /health answers 503 naming the role once the orchestrator marks them dead, and 200
+    again once they resume, register again and serve."""
+    gens = [w for w in cluster.info().workers if w.role == "generation"]
+    assert health(cluster)[0] == 200
+    for worker in gens:
+        os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10  # worker_timeout_seconds is 2
+        while (answer := health(cluster))[0] == 200:
+            assert time.monotonic() < deadline, "still 200 with every generation worker frozen"
+            time.sleep(0.2)
+        assert answer[0] == 503, answer
+        body = json.loads(answer[1])
+        assert body["error"]["code"] == "unhealthy", body
+        assert "no live generation worker" in body["error"]["message"], body
+    finally:
+        for worker in gens:
+            os.kill(worker.pid, signal.SIGCONT)
+    deadline = time.monotonic() + RECOVERY_WITHIN_S
+    while health(cluster)[0] != 200:
+        assert time.monotonic() < deadline, cluster.log_tail()
+        time.sleep(0.2)
+    assert {w.pid for w in cluster.info().workers if w.role == "generation"} == {
+        w.pid for w in gens
+    }  # the same processes, registered again, not restarted ones
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=30, max_retries=0)
+    for _ in range(2):  # round robin: one request through each generation worker
+        assert client.completions.create(model=MODEL, prompt="Awake?", max_tokens=2).choices
+
+
 def test_orchestrator_restart(cluster: Cluster) -> None:
     old_pid = pid_of(cluster, "orchestrator")
     killed_at = time.monotonic()
