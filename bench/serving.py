@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from common.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from orchestrator.supervisor import SERVING  # noqa: E402
 
 HEADLINE_CONCURRENCY = 32
 
@@ -100,7 +101,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the {mode} cluster exited; see {self.log.name}")
-            if "Serving on http://" in log_path.read_text(errors="replace"):
+            if SERVING in log_path.read_text(errors="replace"):
                 return  # every process is registered and /health said 200
             time.sleep(0.5)
         raise RuntimeError(f"the {mode} cluster did not start; see {self.log.name}")

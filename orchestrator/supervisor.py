@@ -36,6 +36,10 @@ from common.worker_link import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
 
+# The line `orchestrator up` prints once every process is ready and /health said 200: what
+# scripts starting a cluster (tests, benchmarks) wait for.
+SERVING = "Serving on "
+
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -354,7 +358,7 @@ def run_cluster(
             return 1
         assert report.info is not None
         print(format_table(report.info))
-        print(f"Serving on http://{host}:{config.frontend.port}/v1", flush=True)
+        print(f"{SERVING}http://{host}:{config.frontend.port}/v1", flush=True)
         while not stop.requested:
             supervisor.poll()
             time.sleep(0.2)

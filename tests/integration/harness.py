@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from common.protocol import ClusterInfo
+from orchestrator.supervisor import SERVING
 
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 10.0  # what `orchestrator up` promises on SIGTERM
@@ -110,7 +111,7 @@ def wait_healthy(cluster: Cluster) -> None:
             pytest.fail(
                 f"orchestrator up exited with {cluster.process.returncode}:\n{cluster.log_tail()}"
             )
-        if "Serving on http://" in cluster.log_tail(num_chars=None):
+        if SERVING in cluster.log_tail(num_chars=None):
             try:
                 with urllib.request.urlopen(f"{cluster.url}/health", timeout=2) as response:
                     if response.status == 200:

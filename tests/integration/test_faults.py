@@ -62,6 +62,19 @@ def stream(
                 started.set()
 
 
+def start_stream(
+    cluster: Cluster, prompt: str, **options
+) -> tuple[threading.Thread, list, threading.Event]:
+    """`stream` in a thread of its own: (the thread, its events, set at the first payload)."""
+    events: list = []
+    started = threading.Event()
+    thread = threading.Thread(
+        target=stream, args=(cluster, prompt, events, started), kwargs=options
+    )
+    thread.start()
+    return thread, events, started
+
+
 def ended_with_error(events: list) -> float | None:
     """When the stream's final error frame arrived, if it ended with one."""
     data = [e for e in events if e[0] == "data"]
@@ -96,22 +109,11 @@ def report(fault: str, error_s: float | str, recovery_s: float, leaked: int) -> 
 
 
 def test_generation_worker_killed_mid_stream(cluster: Cluster) -> None:
-    victim_events: list = []
-    started = threading.Event()
-    victim = threading.Thread(
-        target=stream, args=(cluster, "Kill me. ", victim_events, started), kwargs=LONG
-    )
-    victim.start()
+    victim, victim_events, started = start_stream(cluster, "Kill me. ", **LONG)
     assert started.wait(20)
     gen = busy_worker(cluster, "generation")
-    bystander_events: list = []
-    bystander_started = threading.Event()
-    bystander = threading.Thread(
-        target=stream, args=(cluster, "Leave me. ", bystander_events, bystander_started),
-        kwargs={"max_tokens": 40},
-    )  # fmt: skip
     old_pid = pid_of(cluster, gen)
-    bystander.start()
+    bystander, bystander_events, _ = start_stream(cluster, "Leave me. ", max_tokens=40)
     killed_at = time.monotonic()
     os.kill(old_pid, signal.SIGKILL)
     victim.join(30)
@@ -158,12 +160,7 @@ def test_context_worker_killed_during_prefill_is_retried(cluster: Cluster) -> No
 
 
 def test_postproc_worker_killed(cluster: Cluster) -> None:
-    events: list = []
-    started = threading.Event()
-    victim = threading.Thread(
-        target=stream, args=(cluster, "Format me. ", events, started), kwargs=LONG
-    )
-    victim.start()
+    victim, events, started = start_stream(cluster, "Format me. ", **LONG)
     assert started.wait(20)
     pp = busy_worker(cluster, "postproc")
     old_pid = pid_of(cluster, pp)

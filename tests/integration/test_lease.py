@@ -38,21 +38,28 @@ def wait_for(condition, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def test_expired_lease_frees_blocks_and_the_late_reader_fails_the_request(cluster: Cluster) -> None:
-    gen_pid = next(w.pid for w in cluster.info().workers if w.worker_id == "gen-0")
+def send_in_background(cluster: Cluster, prompt: str) -> tuple[threading.Thread, dict]:
+    """A 4-token completion in a thread; the dict gets its HTTP error ("error") and when it
+    came ("at"), if it fails."""
     result: dict = {}
 
     def send() -> None:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
         try:
-            client.completions.create(model=MODEL, prompt="Late reader " * 20, max_tokens=4)
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         except openai.APIStatusError as e:
-            result["error"] = e
+            result["error"], result["at"] = e, time.monotonic()
 
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def test_expired_lease_frees_blocks_and_the_late_reader_fails_the_request(cluster: Cluster) -> None:
+    gen_pid = next(w.pid for w in cluster.info().workers if w.worker_id == "gen-0")
     os.kill(gen_pid, signal.SIGSTOP)
     try:
-        sender = threading.Thread(target=send)
-        sender.start()
+        sender, result = send_in_background(cluster, "Late reader " * 20)
         wait_for(lambda: leased(cluster) > 0, 10)
         freed_after_s = wait_for(lambda: leased(cluster) == 0, LEASE_S + 5)
     finally:
@@ -73,19 +80,9 @@ def test_context_worker_killed_after_prefill_before_the_pull(cluster: Cluster) -
     context worker comes back."""
     workers = {w.worker_id: w for w in cluster.info().workers}
     gen_pid, ctx_pid = workers["gen-0"].pid, workers["ctx-0"].pid
-    result: dict = {}
-
-    def send() -> None:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="x", timeout=60, max_retries=0)
-        try:
-            client.completions.create(model=MODEL, prompt="Orphaned blocks " * 20, max_tokens=4)
-        except openai.APIStatusError as e:
-            result["error"], result["at"] = e, time.monotonic()
-
     os.kill(gen_pid, signal.SIGSTOP)
     try:
-        sender = threading.Thread(target=send)
-        sender.start()
+        sender, result = send_in_background(cluster, "Orphaned blocks " * 20)
         wait_for(lambda: leased(cluster) > 0, 10)  # prefilled and handed off; not yet read
         os.kill(ctx_pid, signal.SIGKILL)
         wait_for(lambda: not alive(ctx_pid), 10)  # its memory is gone, not just signalled
