@@ -4,19 +4,22 @@
     .venv/bin/python bench/serving.py [--device cpu|cuda] [--model builtin:tiny]
                                       [--out bench/results/latest.json] [--repeats 3]
 
-Workload (seeded): prompts of 64-512 tokens cut from the shipped corpus, outputs of 64-256
-tokens (EOS ignored, so every side generates the same tokens), streaming clients at each
-concurrency level. Figures are medians of `--repeats` runs.
+Workload (seeded, fresh prompts for every run so that none is served from an earlier run's
+prefix cache): prompts of 64-512 tokens cut from the shipped corpus, outputs of 64-256 tokens
+(EOS ignored, so every side generates the same tokens), streaming clients at each concurrency
+level. Figures are medians of `--repeats` runs.
 
 - `levels.<c>`: the default (disaggregated) cluster at c concurrent streaming clients: output
   tokens/s, requests/s, TTFT and inter-token latency p50/p99.
-- `pipeline_efficiency`: cluster tokens/s at 32 clients ÷ the in-process engine on the same
-  requests, at most 32 at a time like the clients (no HTTP, no ZMQ, no NIXL).
+- `pipeline_efficiency`: cluster tokens/s at 32 clients ÷ the in-process engine (no HTTP, no
+  ZMQ, no NIXL) on the same requests, at most 32 at a time like the clients, run right after
+  each cluster run; the median of those paired ratios (`pipeline_efficiency_runs`).
 - `vs_hf_sequential` / `vs_hf_batched`: cluster tokens/s at 32 clients ÷ HF generate one request
   at a time / as one padded batch.
 - `prefix_ttft_ratio`: TTFT of a 1k-token prompt the second time (prefix cache warm) ÷ the first.
 - `aggregated`: the same 32-client run on an aggregated cluster, and `disagg_vs_agg`.
-"""
+- `profile`: one more 32-client run, profiled (bench/cluster_profile.py): the cores each process
+  kept busy and its hottest functions; py-spy's raw stacks beside the JSON."""
 
 from __future__ import annotations
 
@@ -42,11 +45,13 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from bench.cluster_profile import ClusterProfile  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from orchestrator.supervisor import SERVING  # noqa: E402
 
 HEADLINE_CONCURRENCY = 32
+PREFIX_SEED = 1_000_000  # apart from the levels' seeds: the cold prompt must share no prefix
 
 
 @dataclass(slots=True)
@@ -55,9 +60,12 @@ class Request:
     max_tokens: int
 
 
-def make_workload(tokenizer: object, count: int, seed: int, prompt_len: tuple[int, int],
+def corpus_tokens(tokenizer: object) -> list[int]:
+    return tokenizer.encode((ROOT / "engine/data/corpus.txt").read_text())  # type: ignore[attr-defined]
+
+
+def make_workload(corpus: list[int], count: int, seed: int, prompt_len: tuple[int, int],
                   output_len: tuple[int, int]) -> list[Request]:  # fmt: skip
-    corpus = tokenizer.encode((ROOT / "engine/data/corpus.txt").read_text())  # type: ignore[attr-defined]
     rng = random.Random(seed)
     requests = []
     for _ in range(count):
@@ -162,11 +170,11 @@ def median_dict(runs: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
 
 
-def prefix_ttft_ratio(url: str, model: str, tokenizer: object, repeats: int) -> float:
+def prefix_ttft_ratio(url: str, model: str, corpus: list[int], repeats: int) -> float:
     """A 1k-token prompt twice: the second run's prefill reads the prefix cache."""
     ratios = []
     for i in range(repeats):
-        prompt = make_workload(tokenizer, 1, 1000 + i, (1024, 1024), (1, 1))[0]
+        prompt = make_workload(corpus, 1, PREFIX_SEED + i, (1024, 1024), (1, 1))[0]
         request = Request(prompt.prompt, 4)
         cold = asyncio.run(run_clients(url, model, [request], 1))["ttft_p50_s"]
         warm = asyncio.run(run_clients(url, model, [request], 1))["ttft_p50_s"]
@@ -229,6 +237,39 @@ def plot(result: dict, out: Path) -> list[str]:
     return files
 
 
+def hf_baselines(llm: LLM, requests: list[Request], device: str, num_sequential: int,
+                 repeats: int) -> tuple[float, float]:  # fmt: skip
+    """HF generate tokens/s on the model the engine loaded: one request at a time, and batched."""
+    hf = AutoModelForCausalLM.from_pretrained(
+        llm.engine.model_dir, dtype=llm.engine.config.torch_dtype
+    )
+    hf = hf.to(device).eval()
+    pad_id = llm.tokenizer.pad_token_id or 0
+    sequential = requests[:num_sequential]
+    hf_sequential = statistics.median(
+        sum(r.max_tokens for r in sequential)
+        / sum(r.max_tokens / hf_tokens_per_s(hf, [r], pad_id, device) for r in sequential)
+        for _ in range(repeats)
+    )
+    hf_batched = statistics.median(
+        hf_tokens_per_s(hf, requests, pad_id, device) for _ in range(repeats)
+    )
+    del hf
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the memory back for the cluster's workers
+    return hf_sequential, hf_batched
+
+
+def profile_run(cluster: Cluster, model: str, requests: list[Request], concurrency: int,
+                out: Path) -> dict:  # fmt: skip
+    """One more run at `concurrency`, profiled (left out of the medians); py-spy's raw stacks go
+    to <out>-profile/<process>.txt for flame graphs."""
+    raw_dir = out.with_name(f"{out.stem}-profile")
+    with ClusterProfile(cluster.process.pid, raw_dir) as profile:
+        asyncio.run(run_clients(cluster.url, model, requests, concurrency))
+    return profile.summary()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny")
@@ -239,68 +280,69 @@ def main() -> None:
     parser.add_argument("--hf-sequential-requests", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra run")
     parser.add_argument("--out", default=str(ROOT / "bench/results/latest.json"))
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompt_len, output_len = tuple(args.prompt_len), tuple(args.output_len)
+    levels = sorted(set(args.concurrency))
+    headline = HEADLINE_CONCURRENCY if HEADLINE_CONCURRENCY in levels else levels[-1]
 
-    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=HEADLINE_CONCURRENCY,
+    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=headline,
               dtype="bfloat16" if args.device == "cuda" else "float32")  # fmt: skip
-    tokenizer = llm.tokenizer
-    served_name = args.model
-    workload = {c: make_workload(tokenizer, max(2 * c, 8), args.seed + c, prompt_len, output_len)
-                for c in args.concurrency}  # fmt: skip
-    headline = workload.get(HEADLINE_CONCURRENCY) or workload[max(args.concurrency)]
+    corpus = corpus_tokens(llm.tokenizer)
 
-    engine = statistics.median(engine_tokens_per_s(llm, headline) for _ in range(args.repeats))
-    hf = AutoModelForCausalLM.from_pretrained(
-        llm.engine.model_dir, dtype=llm.engine.config.torch_dtype
+    def workload(concurrency: int, repeat: int) -> list[Request]:
+        """Fresh prompts for every run: no run is served from an earlier one's prefix cache."""
+        seed = args.seed + 1000 * repeat + concurrency
+        return make_workload(corpus, max(2 * concurrency, 8), seed, prompt_len, output_len)
+
+    engine_tokens_per_s(llm, workload(headline, -1)[:4])  # warm-up
+    hf_sequential, hf_batched = hf_baselines(
+        llm, workload(headline, 0), args.device, args.hf_sequential_requests, args.repeats
     )
-    hf = hf.to(args.device).eval()
-    pad_id = tokenizer.pad_token_id or 0
-    sequential = headline[: args.hf_sequential_requests]
-    hf_sequential = statistics.median(
-        sum(r.max_tokens for r in sequential)
-        / sum(r.max_tokens / hf_tokens_per_s(hf, [r], pad_id, args.device) for r in sequential)
-        for _ in range(args.repeats)
-    )
-    hf_batched = statistics.median(
-        hf_tokens_per_s(hf, headline, pad_id, args.device) for _ in range(args.repeats)
-    )
-    del llm, hf  # the clusters need the memory and the cores
 
     workdir = Path(tempfile.mkdtemp(prefix="pdcluster-bench-"))
     result: dict = {"levels": {}}
+    engine_runs, efficiencies = [], []
     cluster = Cluster(args.model, args.device, "disaggregated", workdir)
     try:
-        asyncio.run(
-            run_clients(cluster.url, served_name, workload[args.concurrency[0]][:2], 2)
-        )  # warm-up
-        for c in args.concurrency:
-            runs = [
-                asyncio.run(run_clients(cluster.url, served_name, workload[c], c))
-                for _ in range(args.repeats)
-            ]
+        asyncio.run(run_clients(cluster.url, args.model, workload(1, -1)[:2], 2))  # warm-up
+        for c in levels:
+            runs = []
+            for repeat in range(args.repeats):
+                requests = workload(c, repeat)
+                runs.append(asyncio.run(run_clients(cluster.url, args.model, requests, c)))
+                if c == headline:
+                    # The engine on the same requests right after: this VM's speed drifts
+                    # more between minutes than the two sides differ, so each pair is a ratio.
+                    engine_runs.append(engine_tokens_per_s(llm, requests))
+                    efficiencies.append(runs[-1]["output_tokens_per_s"] / engine_runs[-1])
             result["levels"][str(c)] = median_dict(runs)
             print(f"{c} clients: {result['levels'][str(c)]}", flush=True)
         result["prefix_ttft_ratio"] = round(
-            prefix_ttft_ratio(cluster.url, served_name, tokenizer, args.repeats), 3
+            prefix_ttft_ratio(cluster.url, args.model, corpus, args.repeats), 3
         )
+        if not args.no_profile:
+            result["profile"] = profile_run(
+                cluster, args.model, workload(headline, args.repeats), headline, out
+            )
     finally:
         cluster.stop()
+    del llm  # the aggregated cluster needs the memory
     aggregated = Cluster(args.model, args.device, "aggregated", workdir)
     try:
-        asyncio.run(run_clients(aggregated.url, served_name, headline[:2], 2))
+        asyncio.run(run_clients(aggregated.url, args.model, workload(1, -1)[:2], 2))
         runs = [
-            asyncio.run(run_clients(aggregated.url, served_name, headline, HEADLINE_CONCURRENCY))
-            for _ in range(args.repeats)
+            asyncio.run(run_clients(aggregated.url, args.model, workload(headline, r), headline))
+            for r in range(args.repeats)
         ]
         result["aggregated"] = median_dict(runs)
     finally:
         aggregated.stop()
 
-    cluster_tps = result["levels"][str(HEADLINE_CONCURRENCY)]["output_tokens_per_s"]
+    cluster_tps = result["levels"][str(headline)]["output_tokens_per_s"]
     result.update(
         benchmark="serving",
         model=args.model,
@@ -310,10 +352,12 @@ def main() -> None:
         prompt_len=list(prompt_len),
         output_len=list(output_len),
         repeats=args.repeats,
-        engine_output_tokens_per_s=round(engine, 1),
+        headline_concurrency=headline,
+        engine_output_tokens_per_s=round(statistics.median(engine_runs), 1),
         hf_sequential_output_tokens_per_s=round(hf_sequential, 1),
         hf_batched_output_tokens_per_s=round(hf_batched, 1),
-        pipeline_efficiency=round(cluster_tps / engine, 3),
+        pipeline_efficiency=round(statistics.median(efficiencies), 3),
+        pipeline_efficiency_runs=[round(e, 3) for e in efficiencies],
         vs_hf_sequential=round(cluster_tps / hf_sequential, 2),
         vs_hf_batched=round(cluster_tps / hf_batched, 2),
         disagg_vs_agg=round(cluster_tps / result["aggregated"]["output_tokens_per_s"], 3),
