@@ -2,9 +2,9 @@
 
 The postproc workers encode them for requests with `OutputOptions.kind == "anthropic"`; the
 frontend relays the bytes. Field names follow the `anthropic` SDK's types (`Message`, `Usage`,
-`RawMessageStreamEvent`). A stream is, in order:
+`RawMessageStreamEvent`). A stream is, in order (a ping after the first block's start):
 
-    message_start ─ content_block_start ─ ping ─ content_block_delta* ─ content_block_stop
+    message_start ─ (content_block_start ─ content_block_delta* ─ content_block_stop)+
     ─ message_delta (stop_reason, cumulative usage) ─ message_stop
 
 each framed as `event: <type>\\ndata: <json>\\n\\n`, with no `[DONE]` at the end.
@@ -12,7 +12,7 @@ each framed as `event: <type>\\ndata: <json>\\n\\n`, with no `[DONE]` at the end
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -39,13 +39,29 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text", kw_only=True):
     text: str
 
 
+class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking", kw_only=True):
+    """The model's reasoning; `signature` stays empty (nothing here signs thinking)."""
+
+    thinking: str
+    signature: str = ""
+
+
+class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", kw_only=True):
+    id: str
+    name: str
+    input: dict[str, Any]  # the call's arguments; {} while streaming (see InputJsonDelta)
+
+
+ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
+
+
 class Message(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
     """The non-streaming body, and (with empty content, no stop_reason) message_start's skeleton."""
 
     id: str
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
+    content: list[ContentBlock]
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, when one did
     usage: Usage
@@ -64,7 +80,7 @@ class MessageStart(_Event, tag="message_start"):
 
 class ContentBlockStart(_Event, tag="content_block_start"):
     index: int
-    content_block: TextBlock
+    content_block: ContentBlock
 
 
 class Ping(_Event, tag="ping"):
@@ -75,9 +91,19 @@ class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta", kw_only=True
     text: str
 
 
+class ThinkingDelta(msgspec.Struct, tag_field="type", tag="thinking_delta", kw_only=True):
+    thinking: str
+
+
+class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta", kw_only=True):
+    """The next piece of a tool_use block's input, as JSON text."""
+
+    partial_json: str
+
+
 class ContentBlockDelta(_Event, tag="content_block_delta"):
     index: int
-    delta: TextDelta
+    delta: TextDelta | ThinkingDelta | InputJsonDelta
 
 
 class ContentBlockStop(_Event, tag="content_block_stop"):

@@ -1,26 +1,43 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the same cluster.
 
-The request becomes a chat conversation (system prompt first), is rendered with the model's chat
-template like any chat request, and goes out with OutputOptions.kind "anthropic": the postproc
-worker formats Anthropic's message body or its streaming events. Text content only for now;
-tool_use / tool_result blocks come with the tool-calling issue and are a 400 until then.
+The request becomes a chat completion request and takes the chat path (template, tools, tool
+choice grammar, parsers) with OutputOptions.kind "anthropic": the postproc worker formats
+Anthropic's message body or its streaming events. The conversation maps onto chat messages:
+
+    system                           ─▶ system message
+    user: tool_result blocks, text   ─▶ one tool message per result, then a user message
+    assistant: thinking, text, tool_use ─▶ assistant message: reasoning_content, content,
+                                           tool_calls (input as JSON arguments)
+    tools / tool_choice auto|any|tool|none ─▶ tools / "auto"|"required"|named|"none"
+    thinking enabled|disabled        ─▶ chat_template_kwargs enable_thinking
+
+`thinking.budget_tokens` is checked as Anthropic does but not enforced: max_tokens bounds the
+whole answer. Images and server tools are refused (400).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Literal
 
 import msgspec
 
 from common.errors import InvalidRequest
-from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
-from common.sampling_params import SamplingParams
+from common.protocol import GenerateRequest
 from common.tokenizer import Tokenizer
-from frontend.chat import ChatCompletionRequest, ImagePart, Message, TextPart, render_chat
+from frontend import chat
+from frontend.chat import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionDefinition,
+    ImagePart,
+    Message,
+    TextPart,
+    Tool,
+    ToolCall,
+    render_chat,
+)
 from frontend.model_info import ModelInfo
-from frontend.sampling import max_tokens_for, stop_list
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -30,11 +47,55 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class TextBlock(_Strict, tag_field="type", tag="text"):
     text: str
     cache_control: dict[str, Any] | None = None
+    citations: list[dict[str, Any]] | None = None  # accepted, not used
+
+
+class ThinkingBlock(_Strict, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str = ""
+
+
+class ToolUseBlock(_Strict, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Strict, tag_field="type", tag="tool_result"):
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
 
 
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
+
+
+class ToolDefinition(_Strict):
+    """A client tool; server tools (web search, code execution...) have a `type` and are refused."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
 
 
 class MessagesRequest(_Strict):
@@ -44,76 +105,153 @@ class MessagesRequest(_Strict):
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
-    # extensions (older versions of the API had them): sampling controls
+    # extensions (older versions of the API had some): sampling controls
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
 
 
 class CountTokensRequest(_Strict):
     model: str
     messages: list[AnthropicMessage]
     system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
-def as_chat(
-    model: str, messages: list[AnthropicMessage], system: str | list[TextBlock] | None
-) -> ChatCompletionRequest:
-    if not messages:
+def as_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """The conversation, tools and thinking switch as a chat request (sampling left default)."""
+    if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    chat_messages = []
-    if system:
+    messages = []
+    if body.system:
+        system = body.system
         text = system if isinstance(system, str) else "\n".join(b.text for b in system)
-        chat_messages.append(Message(role="system", content=text))
-    for m in messages:
-        content: str | list[TextPart | ImagePart] = (
-            m.content if isinstance(m.content, str) else [TextPart(text=b.text) for b in m.content]
+        messages.append(Message(role="system", content=text))
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            messages.append(Message(role=message.role, content=message.content))
+        elif message.role == "user":
+            messages.extend(_user_turn(message.content, f"messages[{i}].content"))
+        else:
+            messages.append(_assistant_turn(message.content, f"messages[{i}].content"))
+    return ChatCompletionRequest(
+        model=body.model,
+        messages=messages,
+        tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(body.tools)] if body.tools else None,
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=False
+        if body.tool_choice and body.tool_choice.disable_parallel_tool_use
+        else None,
+        chat_template_kwargs=(
+            {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
+        ),
+    )
+
+
+def _user_turn(blocks: list[ContentBlock], param: str) -> list[Message]:
+    """Tool results first (one tool message each, as chat templates expect), then the text."""
+    results: list[Message] = []
+    texts: list[TextPart | ImagePart] = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            content = block.content
+            text = content if isinstance(content, str) else "\n".join(b.text for b in content)
+            results.append(Message(role="tool", tool_call_id=block.tool_use_id, content=text))
+        elif isinstance(block, TextBlock):
+            texts.append(TextPart(text=block.text))
+        else:
+            raise InvalidRequest(f"a user message cannot hold a {_tag(block)} block", param)
+    return results + ([Message(role="user", content=texts)] if texts or not results else [])
+
+
+def _assistant_turn(blocks: list[ContentBlock], param: str) -> Message:
+    reasoning: list[str] = []
+    texts: list[TextPart | ImagePart] = []
+    calls: list[ToolCall] = []
+    for block in blocks:
+        if isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        elif isinstance(block, TextBlock):
+            texts.append(TextPart(text=block.text))
+        elif isinstance(block, ToolUseBlock):
+            arguments = msgspec.json.encode(block.input).decode()
+            call = FunctionCall(name=block.name, arguments=arguments)
+            calls.append(ToolCall(id=block.id, function=call))
+        else:
+            raise InvalidRequest(f"an assistant message cannot hold a {_tag(block)} block", param)
+    return Message(
+        role="assistant",
+        content=texts or None,
+        tool_calls=calls or None,
+        reasoning_content="".join(reasoning) or None,
+    )
+
+
+def _tag(block: ContentBlock) -> str:
+    return str(block.__struct_config__.tag)
+
+
+def _tool(tool: ToolDefinition, param: str) -> Tool:
+    if tool.input_schema.get("type") != "object":
+        raise InvalidRequest("input_schema must be a JSON schema of type object", param)
+    return Tool(
+        function=FunctionDefinition(
+            name=tool.name, description=tool.description, parameters=tool.input_schema
         )
-        chat_messages.append(Message(role=m.role, content=content))
-    return ChatCompletionRequest(model=model, messages=chat_messages)
+    )
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest('tool_choice of type "tool" needs a name', "tool_choice")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
 def count_tokens(body: CountTokensRequest, tokenizer: Tokenizer) -> int:
-    rendered = render_chat(
-        as_chat(body.model, body.messages, body.system), tokenizer, tokenizer.chat_template
-    )
+    rendered = render_chat(as_chat(body), tokenizer, tokenizer.chat_template)
     return len(tokenizer.encode(rendered.prompt_text))
 
 
 def to_generate_request(body: MessagesRequest, model: ModelInfo, reply_to: str) -> GenerateRequest:
-    tokenizer, vocab_size, max_model_len = model.tokenizer, model.vocab_size, model.max_model_len
-    chat = as_chat(body.model, body.messages, body.system)
-    # Anthropic's own ranges: temperature in [0, 1]
+    # Anthropic's own ranges: temperature in [0, 1]; a thinking budget of at least 1024 tokens
+    # and below max_tokens
     if not 0.0 <= body.temperature <= 1.0:
         raise InvalidRequest(
             f"temperature must be in [0, 1], got {body.temperature}", "temperature"
         )
-    prompt = tokenizer.encode(render_chat(chat, tokenizer, tokenizer.chat_template).prompt_text)
-    stops = stop_list(body.stop_sequences)
-    sampling = SamplingParams(
+    budget = body.thinking.budget_tokens if body.thinking else None
+    if (
+        body.thinking
+        and body.thinking.type == "enabled"
+        and (budget is None or not 1024 <= budget < body.max_tokens)
+    ):
+        raise InvalidRequest(
+            "thinking.budget_tokens must be at least 1024 and less than max_tokens",
+            "thinking.budget_tokens",
+        )
+    request = msgspec.structs.replace(
+        as_chat(body),
+        max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
-        stop=stops,
-        max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
-    )
-    sampling.validate(vocab_size)
-    prompt_b64 = encode_token_ids(prompt)
-    output = OutputOptions(
-        kind="anthropic",
-        model=body.model,
-        created=int(time.time()),
+        seed=body.seed,
+        stop=body.stop_sequences,
         stream=body.stream,
-        stop=stops,
-        prompt_token_ids_b64=prompt_b64,
     )
-    return GenerateRequest(
-        request_id=f"msg_{uuid.uuid4().hex}",  # Anthropic's id style
-        prompt_token_ids_b64=prompt_b64,
-        sampling=sampling,
-        output=output,
-        reply_to=reply_to,
-        arrival_time=time.time(),
-    )
+    generate = chat.to_generate_request(request, model, reply_to, allow_request_template=False)
+    generate.request_id = f"msg_{uuid.uuid4().hex}"  # Anthropic's id style
+    generate.output.kind = "anthropic"
+    return generate

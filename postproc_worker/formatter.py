@@ -2,11 +2,11 @@
 
     TokenDelta (one choice) ──▶ detokenizer ──▶ stop strings ──▶ [parsers] ──▶ chunk / body
 
-The reasoning / tool-call parsers (parsers/) run only for kind "chat", when the request's
-`parser_state` asks for them; a choice that called a tool and ended by stop finishes with
-"tool_calls".
+The reasoning / tool-call parsers (parsers/) run for kinds "chat" and "anthropic", when the
+request's `parser_state` asks for them; a choice that called a tool and ended by stop finishes
+with "tool_calls" (Anthropic: stop_reason "tool_use").
 
-Kind "anthropic" shares everything up to the text; `anthropic_format` shapes its bytes.
+Kind "anthropic" shares everything up to the parsed output; `anthropic_format` shapes its bytes.
 
 A `RequestState` lives in the postproc worker from the request's first TokenBatch until `done`.
 Each `add(delta)` returns the bytes to push to the frontend, whether the request is done, and
@@ -44,7 +44,7 @@ from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_t
 from common.tokenizer import Tokenizer
 from postproc_worker import anthropic_format
 from postproc_worker.detokenizer import IncrementalDetokenizer
-from postproc_worker.parsers import ChoiceParsers, ParserState, special_texts
+from postproc_worker.parsers import ChoiceParsers, ParsedText, ParserState, special_texts
 from postproc_worker.stop_strings import StopStringMatcher
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -137,7 +137,7 @@ class RequestState:
         ]
 
     def _parser_state(self, options: OutputOptions) -> ParserState | None:
-        if not self._chat or not options.parser_state:
+        if options.kind == "completion" or not options.parser_state:
             return None
         try:
             state = ParserState.from_dict(options.parser_state)
@@ -212,7 +212,8 @@ class RequestState:
 
     def _stream_frames(self, choice: ChoiceState, text: str) -> bytes:
         if self._anthropic is not None:
-            return self._anthropic.stream_frames(text, self._anthropic_usage())
+            parsed = self._parsed(choice, text, final=choice.finish_reason is not None)
+            return self._anthropic.stream_frames(parsed, self._anthropic_usage())
         frames = b""
         if not choice.started:
             choice.started = True
@@ -257,17 +258,28 @@ class RequestState:
         return choice.parsers.feed(text, final=choice.finish_reason is not None).delta()
 
     @staticmethod
-    def _chat_finish_reason(choice: ChoiceState) -> str | None:
+    def _parsed(choice: ChoiceState, text: str, *, final: bool) -> ParsedText:
+        if choice.parsers is None:
+            return ParsedText("", [text] if text else [])
+        return choice.parsers.feed(text, final=final)
+
+    @staticmethod
+    def _called_tools(choice: ChoiceState) -> bool:
+        """The choice ended by stop after calling a tool: the client's turn to run it."""
         parsers = choice.parsers
-        if choice.finish_reason == "stop" and parsers is not None and parsers.num_tool_calls:
-            return "tool_calls"
-        return choice.finish_reason
+        return choice.finish_reason == "stop" and parsers is not None and parsers.num_tool_calls > 0
+
+    def _chat_finish_reason(self, choice: ChoiceState) -> str | None:
+        return "tool_calls" if self._called_tools(choice) else choice.finish_reason
 
     def _final_frames(self) -> bytes:
         if self._anthropic is not None:
             choice = self.choices[0]
             return self._anthropic.end_frames(
-                choice.finish_reason, choice.stop.matched, self._anthropic_usage()
+                choice.finish_reason,
+                choice.stop.matched,
+                self._called_tools(choice),
+                self._anthropic_usage(),
             )
         frames = b""
         if self._include_usage:
@@ -313,9 +325,13 @@ class RequestState:
     def _final_body(self) -> bytes:
         if self._anthropic is not None:
             choice = self.choices[0]
-            text = "".join(choice.text_parts)
+            parsed = self._parsed(choice, "".join(choice.text_parts), final=True)
             return self._anthropic.body(
-                text, choice.finish_reason, choice.stop.matched, self._anthropic_usage()
+                parsed,
+                choice.finish_reason,
+                choice.stop.matched,
+                self._called_tools(choice),
+                self._anthropic_usage(),
             )
         if self._chat:
             return _json.encode(

@@ -7,12 +7,12 @@
      "tool_parser": "hermes" | "qwen3" | "llama3_json" | "mistral" | "deepseek_v3",
      "in_tool_call": true}                          # the prompt ends with the parser's `begin`
 
-An empty dict (or a kind other than "chat") leaves the output exactly as without parsers.
+An empty dict (or kind "completion") leaves the output exactly as without parsers.
 """
 
 from postproc_worker.parsers.pipeline import ChoiceParsers, ParsedText, ParserState, special_texts
 from postproc_worker.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from postproc_worker.parsers.tools import TOOL_PARSERS, ToolParser
+from postproc_worker.parsers.tools import TOOL_PARSERS, ToolCallStart, ToolParser
 
 __all__ = [
     "REASONING_PARSERS",
@@ -21,6 +21,7 @@ __all__ = [
     "ParsedText",
     "ParserState",
     "ReasoningParser",
+    "ToolCallStart",
     "ToolParser",
     "special_texts",
 ]

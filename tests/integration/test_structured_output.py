@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -178,6 +179,103 @@ def test_conflicting_or_broken_constraints_are_400(cluster, options, param) -> N
     response = httpx.post(f"{cluster.base_url}/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# --- the same tools through the Anthropic Messages API --------------------------------------------
+
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+    | ({"description": t["function"]["description"]} if "description" in t["function"] else {})
+    for t in (WEATHER, TIME)
+]
+
+
+@pytest.fixture(scope="module")
+def claude(cluster: Cluster) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=cluster.url, api_key="unused", timeout=120, max_retries=0)
+
+
+def check_tool_uses(message, names: set[str]) -> list:
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and message.stop_reason == "tool_use"
+    for use in uses:
+        assert use.name in names and use.id
+        schema = {"get_weather": WEATHER, "get_time": TIME}[use.name]
+        jsonschema.validate(use.input, schema["function"]["parameters"])
+    return uses
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_anthropic_tool_choice_makes_tool_use_blocks_streaming_and_not(claude, seed) -> None:
+    options = {"model": MODEL, "max_tokens": 120, "messages": ASK, "tools": ANTHROPIC_TOOLS,
+               "extra_body": {"seed": seed}}  # fmt: skip
+    named = {"type": "tool", "name": "get_time"}
+    check_tool_uses(claude.messages.create(**options, tool_choice=named), {"get_time"})
+    with claude.messages.stream(**options, tool_choice=named) as stream:
+        streamed = check_tool_uses(stream.get_final_message(), {"get_time"})
+    any_tool = claude.messages.create(**options, tool_choice={"type": "any"})
+    check_tool_uses(any_tool, {"get_weather", "get_time"})
+    assert (
+        streamed[0].input
+        == check_tool_uses(claude.messages.create(**options, tool_choice=named), {"get_time"})[
+            0
+        ].input
+    )  # the seed makes the same call, streamed or not
+
+
+def test_anthropic_tool_results_render_like_chat_tool_messages(claude, oai) -> None:
+    """The turn with tool_use blocks and the next with tool_result blocks reach the template as
+    the chat API's assistant tool_calls and tool messages: the same prompt tokens."""
+    call_input = {"city": "Paris"}
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": call_input},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"},
+            {"type": "text", "text": "And tomorrow?"},
+        ]},
+    ]  # fmt: skip
+    counted = claude.messages.count_tokens(
+        model=MODEL, messages=conversation, tools=ANTHROPIC_TOOLS
+    ).input_tokens
+    arguments = json.dumps(call_input, separators=(",", ":"))
+    chat_messages = [
+        *ASK,
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}],
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21 C"},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    ]  # fmt: skip
+    chat_result = chat(oai, messages=chat_messages, tools=[WEATHER, TIME], max_tokens=1)
+    assert counted == chat_result.usage.prompt_tokens
+    answer = claude.messages.create(
+        model=MODEL, max_tokens=8, messages=conversation, tools=ANTHROPIC_TOOLS
+    )
+    assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == counted
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
+        ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}}, "needs a name"),
+        ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}}, "not in tools"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "budget_tokens"),
+        ({"messages": [{"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, "tool_result"),
+    ],
+)  # fmt: skip
+def test_anthropic_requests_it_cannot_serve_are_400(cluster, options, says) -> None:
+    body = {"model": MODEL, "max_tokens": 8, "messages": ASK, **options}
+    response = httpx.post(f"{cluster.url}/v1/messages", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]  # the one error shape of every route
+    assert error["type"] == "invalid_request_error" and says in error["message"], error
 
 
 def test_blocks_are_free_afterwards(cluster) -> None:

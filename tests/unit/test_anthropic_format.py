@@ -39,12 +39,25 @@ def tokenizer(tiny_model_path: Path) -> Tokenizer:
     return load_tokenizer(tiny_model_path)
 
 
-def make_state(tokenizer: Tokenizer, *, stream: bool, stop: Sequence[str] = ()) -> RequestState:
+def make_state(
+    tokenizer: Tokenizer,
+    *,
+    stream: bool,
+    stop: Sequence[str] = (),
+    parser_state: dict[str, object] | None = None,
+) -> RequestState:
+    output = OutputOptions(
+        kind="anthropic",
+        model=MODEL,
+        stream=stream,
+        stop=list(stop),
+        parser_state=parser_state or {},
+    )
     request = GenerateRequest(
         request_id=MESSAGE_ID,
         prompt_token_ids_b64=encode_token_ids(tokenizer.encode(PROMPT)),
         sampling=SamplingParams(max_tokens=64),
-        output=OutputOptions(kind="anthropic", model=MODEL, stream=stream, stop=list(stop)),
+        output=output,
         reply_to="tcp://127.0.0.1:5999",
     )
     wired = decode(encode(request))  # as the postproc worker receives it
@@ -251,3 +264,57 @@ def test_abort_ends_the_stream_with_end_turn(tokenizer: Tokenizer) -> None:
     assert names.count("message_start") == 1 and names[-1] == "message_stop"
     texts, final = sdk_stream(first.data + end.data)
     assert "".join(texts) == "partial" and final.stop_reason == "end_turn"
+
+
+# --- thinking and tool_use blocks -----------------------------------------------------------------
+
+PARSERS = {"reasoning_parser": "qwen3", "thinking": True, "tool_parser": "hermes"}
+THOUGHT = "the user wants weather"
+CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>'
+)
+PARSED_OUTPUT = f"{THOUGHT}</think>\n\nLet me look.{CALLS}"
+
+
+def test_thinking_text_and_tool_calls_become_blocks_in_output_order(tokenizer: Tokenizer) -> None:
+    token_ids = [*tokenizer.encode(PARSED_OUTPUT), tokenizer.eos_token_id]
+    whole, _ = feed(
+        make_state(tokenizer, stream=False, parser_state=PARSERS),
+        deltas(token_ids, finish_reason="stop"),
+    )
+    body = Message.model_validate_json(whole)
+    assert [b.type for b in body.content] == ["thinking", "text", "tool_use", "tool_use"]
+    thinking, text, weather, time_call = body.content
+    assert thinking.thinking == THOUGHT and thinking.signature == ""  # type: ignore[union-attr]
+    assert text.text == "Let me look."  # type: ignore[union-attr]
+    assert (weather.name, weather.input) == ("get_weather", {"city": "Paris"})  # type: ignore[union-attr]
+    assert (time_call.name, time_call.input) == ("get_time", {"zone": "cet"})  # type: ignore[union-attr]
+    assert weather.id != time_call.id  # type: ignore[union-attr]
+    assert body.stop_reason == "tool_use"
+
+    for cuts in (None, [3, 9, 20]):  # a delta per token, and pieces cutting markers and JSON
+        streamed, _ = feed(
+            make_state(tokenizer, stream=True, parser_state=PARSERS),
+            deltas(token_ids, finish_reason="stop", cuts=cuts),
+        )
+        names = [n for n, _ in sse_events(streamed)]
+        assert names.count("content_block_start") == names.count("content_block_stop") == 4
+        texts, final = sdk_stream(streamed)
+        assert "".join(texts) == "Let me look."
+        expected = body.model_dump()
+        for block, got in zip(expected["content"], final.model_dump()["content"], strict=True):
+            if block["type"] == "tool_use":
+                block["id"] = got["id"]  # each run makes its own call ids
+        assert final.model_dump() == expected
+
+
+def test_a_tool_call_cut_by_max_tokens_keeps_its_block_with_empty_input(
+    tokenizer: Tokenizer,
+) -> None:
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    state = make_state(tokenizer, stream=False, parser_state={"tool_parser": "hermes"})
+    whole, _ = feed(state, deltas(tokenizer.encode(cut), finish_reason="length"))
+    body = Message.model_validate_json(whole)
+    assert [(b.type, b.input) for b in body.content] == [("tool_use", {})]  # type: ignore[union-attr]
+    assert body.stop_reason == "max_tokens"
