@@ -253,9 +253,7 @@ class RequestState:
         return self._sse(self._chat_chunk(chat_choice))
 
     def _delta_message(self, choice: ChoiceState, text: str) -> DeltaMessage:
-        if choice.parsers is None:
-            return DeltaMessage(content=text) if text else DeltaMessage()
-        return choice.parsers.feed(text, final=choice.finish_reason is not None).delta()
+        return self._parsed(choice, text, final=choice.finish_reason is not None).delta()
 
     @staticmethod
     def _parsed(choice: ChoiceState, text: str, *, final: bool) -> ParsedText:
