@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import signal
@@ -104,6 +105,13 @@ class Cluster:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._wait_serving(mode)
+        except BaseException:  # a failed start, or the bench stopped meanwhile (SIGTERM)
+            self.stop()
+            raise
+
+    def _wait_serving(self, mode: str) -> None:
         log_path = Path(self.log.name)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -115,24 +123,33 @@ class Cluster:
         raise RuntimeError(f"the {mode} cluster did not start; see {self.log.name}")
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(30)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(30)
         self.log.close()
 
 
 async def stream_one(
     client: httpx.AsyncClient, model: str, request: Request
 ) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) of one streamed completion."""
+    """(TTFT, inter-token gaps) of one streamed completion, after checking from its usage chunk
+    that it generated every token the throughput figures count."""
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     start = time.perf_counter()
     stamps: list[float] = []
+    last = ""
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
+                last = line
+    stamps.pop()  # the usage chunk carries no text
+    generated = json.loads(last.removeprefix("data: "))["usage"]["completion_tokens"]
+    if generated != request.max_tokens:
+        raise RuntimeError(f"asked for {request.max_tokens} tokens, the cluster sent {generated}")
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return stamps[0] - start, gaps
 
@@ -283,6 +300,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra run")
     parser.add_argument("--out", default=str(ROOT / "bench/results/latest.json"))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the clusters on the way out
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompt_len, output_len = tuple(args.prompt_len), tuple(args.output_len)
@@ -348,7 +366,8 @@ def main() -> None:
         model=args.model,
         device=args.device,
         machine=platform.machine(),
-        cpu_count=torch.get_num_threads(),
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),  # the in-process engine's
         prompt_len=list(prompt_len),
         output_len=list(output_len),
         repeats=args.repeats,

@@ -1,0 +1,59 @@
+"""bench/serving.py end to end on a small workload: it starts both clusters, runs every side of the
+comparison, and writes the JSON with its stable keys, the plots and the profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LEVEL_KEYS = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+              "itl_p99_s"}  # fmt: skip
+RATIOS = ("pipeline_efficiency", "vs_hf_sequential", "vs_hf_batched", "disagg_vs_agg",
+          "prefix_ttft_ratio")  # fmt: skip
+
+
+def test_serving_bench_writes_every_figure(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    command = [sys.executable, str(ROOT / "bench/serving.py"), "--concurrency", "1", "2",
+               "--repeats", "1", "--prompt-len", "16", "48", "--output-len", "4", "12",
+               "--hf-sequential-requests", "1", "--out", str(out)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.terminate()  # the bench stops its clusters on SIGTERM
+            process.wait(60)
+    assert process.returncode == 0, output.decode(errors="replace")[-3000:]
+
+    result = json.loads(out.read_text())
+    assert set(result["levels"]) == {"1", "2"}
+    for figures in [*result["levels"].values(), result["aggregated"]]:
+        assert set(figures) == LEVEL_KEYS
+        assert figures["output_tokens_per_s"] > 0 and figures["requests_per_s"] > 0
+        assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+        assert 0 < figures["itl_p50_s"] <= figures["itl_p99_s"]
+    for key in RATIOS:
+        assert result[key] > 0, key
+    assert result["headline_concurrency"] == 2 and len(result["pipeline_efficiency_runs"]) == 1
+    assert result["engine_output_tokens_per_s"] > 0
+    assert result["hf_sequential_output_tokens_per_s"] > 0
+    # Ratios are the figures they name, divided.
+    cluster = result["levels"]["2"]["output_tokens_per_s"]
+    hf_sequential = result["hf_sequential_output_tokens_per_s"]
+    assert (
+        abs(result["vs_hf_sequential"] - cluster / hf_sequential)
+        < 0.01 * result["vs_hf_sequential"] + 0.01
+    )
+
+    for name in result["plots"]:
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    profile = result["profile"]
+    assert {"client", "orchestrator", "fe-0", "ctx-0", "gen-0"} <= set(profile)
+    assert profile["gen-0"]["cpu_cores"] > 0 and profile["gen-0"]["samples"] > 0
+    assert any("engine/" in name for name in profile["gen-0"]["inclusive"])
+    assert (tmp_path / "latest-profile" / "gen-0.txt").stat().st_size > 0
