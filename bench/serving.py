@@ -236,12 +236,22 @@ def plot(result: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     levels = sorted(result["levels"], key=int)
+    baselines = (
+        ("in-process engine", "s", result["engine_output_tokens_per_s"]),
+        ("aggregated cluster", "D", result["aggregated"]["output_tokens_per_s"]),
+        ("HF generate, batched", "^", result["hf_batched_output_tokens_per_s"]),
+        ("HF generate, one at a time", "v", result["hf_sequential_output_tokens_per_s"]),
+    )
     x = [int(c) for c in levels]
     files = []
     for key, label in (("output_tokens_per_s", "output tokens/s"), ("ttft_p50_s", "TTFT p50 (s)"),
                        ("itl_p50_s", "inter-token latency p50 (s)")):  # fmt: skip
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(x, [result["levels"][c][key] for c in levels], marker="o", label="cluster")
+        if key == "output_tokens_per_s":  # the baselines, measured at the headline level
+            for name, marker, value in baselines:
+                ax.plot([result["headline_concurrency"]], [value], marker, label=name)
+            ax.legend(fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streaming clients")
         ax.set_ylabel(label)
