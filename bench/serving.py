@@ -3,6 +3,11 @@
 
     .venv/bin/python bench/serving.py [--device cpu|cuda] [--model builtin:tiny]
                                       [--out bench/results/latest.json] [--repeats 3]
+    .venv/bin/python bench/serving.py --real-model      # SmolLM2-135M-Instruct, sized for it
+
+`--real-model` runs builtin:smollm2-135m (30 layers: about 15x the tiny model's work per token)
+with a workload of its size: prompts of 128-256 tokens, 128 output tokens, 1 / 8 / 32 clients,
+one repeat, into bench/results/smollm2.json. Every option given beside it still wins.
 
 Workload (seeded, fresh prompts for every run so that none is served from an earlier run's
 prefix cache): prompts of 64-512 tokens cut from the shipped corpus, outputs of 64-256 tokens
@@ -52,6 +57,15 @@ from engine.llm import LLM  # noqa: E402
 from orchestrator.supervisor import SERVING  # noqa: E402
 
 HEADLINE_CONCURRENCY = 32
+REAL_MODEL_PRESET = {
+    "model": "builtin:smollm2-135m",
+    "concurrency": [1, 8, 32],
+    "prompt_len": [128, 256],
+    "output_len": [128, 128],
+    "hf_sequential_requests": 2,
+    "repeats": 1,
+    "out": str(ROOT / "bench/results/smollm2.json"),
+}
 PREFIX_SEED = 1_000_000  # apart from the levels' seeds: the cold prompt must share no prefix
 
 
@@ -299,6 +313,7 @@ def profile_run(cluster: Cluster, model: str, requests: list[Request], concurren
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real-model", action="store_true", help="SmolLM2-135M-Instruct preset")
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -309,6 +324,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra run")
     parser.add_argument("--out", default=str(ROOT / "bench/results/latest.json"))
+    if "--real-model" in sys.argv[1:]:
+        parser.set_defaults(**REAL_MODEL_PRESET)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the clusters on the way out
     out = Path(args.out)

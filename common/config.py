@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.builtin_models import builtin_model
 from common.errors import validation_location
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -31,6 +32,9 @@ class FrontendConfig(_Section, frozen=True):
     api_key: str | None = None  # when set, every route but /health needs `Bearer <api_key>`
     max_body_bytes: Positive = 8 * 1024 * 1024  # larger request bodies get a 413
     allow_request_chat_template: bool = False  # may a request bring its own chat_template?
+    # What an omitted temperature / top_p / top_k / min_p / repetition_penalty means: the model's
+    # generation_config.json where it sets one (as vLLM), or always OpenAI's defaults.
+    sampling_defaults: Literal["model", "openai"] = "model"
 
 
 class OrchestratorConfig(_Section, frozen=True):
@@ -92,13 +96,17 @@ class TransferConfig(_Section, frozen=True):
             )
 
 
+ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3"]
+
+
 class ClusterConfig(_Section, frozen=True):
-    model: str = "builtin:tiny"  # or a local Hugging Face directory
+    model: str = "builtin:smollm2-135m"  # a builtin (common/builtin_models.py) or a HF directory
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
     advertise_host: str | None = None  # the host peers dial for those (a pod IP); internal_host
+    tool_parser: ToolParserName | None = None  # None: the builtin's, else by config.json model_type
 
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -107,6 +115,9 @@ class ClusterConfig(_Section, frozen=True):
     postproc_workers: PostprocWorkersConfig = PostprocWorkersConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
     transfer: TransferConfig = TransferConfig()
+
+    def __post_init__(self) -> None:
+        builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all
 
 
 class ConfigError(ValueError):

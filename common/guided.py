@@ -25,10 +25,18 @@ from common.errors import InvalidRequest
 from common.sampling_params import GuidedDecoding
 
 TOOL_CALL_BEGIN = "<tool_call>\n"  # what a forced call's prompt ends with
-# In the grammars the tags are tokens (`<tool_call>` unquoted is Lark for "this special token"):
-# tokenizers that know them (Qwen's) emit them as one token, never as their characters.
-_CALL_BEGIN = '<tool_call> "\\n"'
-_CALL_END = '"\\n" </tool_call>'
+TOOL_CALL_END = "</tool_call>"
+
+
+def _call_tags(tags_are_tokens: bool) -> tuple[str, str]:
+    """The Lark for a call's opening and closing. Where the tokenizer has the tags as tokens
+    (Qwen's), they are written unquoted, Lark for "this token": the model emits them as one
+    token, never as their characters. Elsewhere (SmolLM2's) they are plain text."""
+    if tags_are_tokens:
+        return '<tool_call> "\\n"', '"\\n" </tool_call>'
+    return '"<tool_call>\\n"', '"\\n</tool_call>"'
+
+
 # JSON without free whitespace runs: a weak model would otherwise spend its tokens on blanks.
 _COMPACT: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
 
@@ -64,21 +72,24 @@ def tool_call_schema(function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def required_tool_calls(functions: list[dict[str, Any]]) -> GuidedDecoding:
-    """At least one call of one of the tools, each inside <tool_call> tags, nothing else."""
+def required_tool_calls(
+    functions: list[dict[str, Any]], tags_are_tokens: bool = True, parallel: bool = True
+) -> GuidedDecoding:
+    """At least one call of one of the tools (exactly one unless `parallel`), each inside
+    <tool_call> tags, nothing else."""
     schema = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
-    text = (
-        f'start: call ("\\n" call)*\ncall: {_CALL_BEGIN} %json {json.dumps(schema)} {_CALL_END}\n'
-    )
+    begin, end = _call_tags(tags_are_tokens)
+    more = ' ("\\n" call)*' if parallel else ""
+    text = f"start: call{more}\ncall: {begin} %json {json.dumps(schema)} {end}\n"
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )
 
 
-def named_tool_call(function: dict[str, Any]) -> GuidedDecoding:
+def named_tool_call(function: dict[str, Any], tags_are_tokens: bool = True) -> GuidedDecoding:
     """The rest of one call of `function` after the injected TOOL_CALL_BEGIN."""
     schema = json.dumps({**tool_call_schema(function), "x-guidance": _COMPACT})
-    text = f"start: %json {schema} {_CALL_END}\n"
+    text = f"start: %json {schema} {_call_tags(tags_are_tokens)[1]}\n"
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )

@@ -17,32 +17,7 @@ from typing import Any
 
 import tokenizers
 
-BUILTIN_TINY = "builtin:tiny"
-TINY_MODEL_VERSION = 1  # bump when the tiny model's output changes, so caches are rebuilt
-TINY_MODEL_DIR = Path("~/.cache/pdcluster").expanduser() / f"tiny-model-v{TINY_MODEL_VERSION}"
-
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
-
-
-def resolve_model_dir(model: str) -> Path:
-    """The local directory behind a `model:` value: `builtin:tiny` or a Hugging Face directory."""
-    if model == BUILTIN_TINY:
-        path = TINY_MODEL_DIR
-        if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(
-                f"model {model!r}: the tiny model is not built yet in {path} "
-                f"(build it with `python -m engine.tiny_model {path}`)"
-            )
-        return path
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: {path} is not a directory")
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"model {model!r}: no tokenizer.json in {path} "
-            "(a Hugging Face model directory with a fast tokenizer is required)"
-        )
-    return path
 
 
 @cache

@@ -8,13 +8,12 @@ from typing import Literal
 
 import torch
 
-BUILTIN_TINY = "builtin:tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str  # a local Hugging Face directory, or builtin:tiny
+    model: str  # a local Hugging Face directory, or a builtin (builtin:tiny, ...)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
     block_size: int = 16
@@ -41,11 +40,11 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def model_dir(self) -> Path:
-        """The model directory, building the tiny model into its cache on first use."""
-        if self.model == BUILTIN_TINY:
-            from engine.tiny_model import ensure_tiny_model
+        """The model directory, building a builtin into its cache on first use."""
+        if self.model.startswith("builtin:"):
+            from engine.builtin_build import ensure_builtin
 
-            return ensure_tiny_model()
+            return ensure_builtin(self.model, self.dtype)
         path = Path(self.model).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model {self.model!r}: no config.json in {path}")

@@ -9,8 +9,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from common.builtin_models import TINY
 from common.sampling_params import SamplingParams
-from engine.config import BUILTIN_TINY, EngineConfig
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, TokenOutput
 
 
@@ -33,7 +34,7 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str = BUILTIN_TINY, **engine_options: Any) -> None:
+    def __init__(self, model: str = TINY.name, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
         self._ids = itertools.count()

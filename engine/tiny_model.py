@@ -1,25 +1,23 @@
-"""The deterministic tiny Qwen3 model behind `model: builtin:tiny`, built offline in about a minute.
+"""The deterministic tiny Qwen3 model behind `model: builtin:tiny`, built offline in under a minute.
 
 Tests and local runs need a real Hugging Face checkpoint (config.json, safetensors, tokenizer.json,
 a chat template) that transformers loads, without a model hub. This module writes one: a 4-layer
 Qwen3 with GQA over a real Qwen byte-level BPE cut to 4,096 ids (engine/tiny_tokenizer.py), briefly
 trained on the text in engine/data/ so that greedy continuations vary instead of repeating a token.
 
-    python -m engine.tiny_model PATH      # build into PATH
-    ensure_tiny_model()                    # build once into ~/.cache/pdcluster/tiny-model-v1
+    python -m engine.tiny_model PATH                  # build into PATH
+    python -m engine.builtin_build builtin:tiny       # build once into the cache (or reuse it)
 
 Same machine, same library versions -> byte-identical model.safetensors: the seed, the data order
-and the thread count are fixed. Bump TINY_MODEL_VERSION whenever the output changes, so that caches
-are rebuilt.
+and the thread count are fixed. One thread: two OpenMP threads were 20% faster on an idle host but
+many times slower on a busy one (they spin on each other). Bump the version in TINY.directory
+(common/builtin_models.py) whenever the output changes, so that caches are rebuilt.
 """
 
 import argparse
 import json
-import logging
 import math
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from common.model_cache import progress
 from engine.tiny_tokenizer import (
     ADDED_TOKENS,
     NUM_KEPT_RANKS,
@@ -41,11 +40,6 @@ from engine.tiny_tokenizer import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-logger = logging.getLogger(__name__)
-
-TINY_MODEL_VERSION = 1
-DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster").expanduser() / f"tiny-model-v{TINY_MODEL_VERSION}"
-
 VOCAB_SIZE = NUM_KEPT_RANKS + len(ADDED_TOKENS)  # 4096: already a multiple of 64
 ENDOFTEXT_ID = NUM_KEPT_RANKS  # <|endoftext|>: pad token
 IM_END_ID = NUM_KEPT_RANKS + 2  # <|im_end|>: end of an assistant turn
@@ -53,8 +47,9 @@ IM_END_ID = NUM_KEPT_RANKS + 2  # <|im_end|>: end of an assistant turn
 ADDITIONAL_SPECIAL_TOKENS = [content for content, special in ADDED_TOKENS[1:] if special]
 
 SEED = 20240601
-BUILD_THREADS = 2
+BUILD_THREADS = 1
 TRAIN_STEPS = 200
+PROGRESS_EVERY_STEPS = 50
 BATCH_SIZE = 4
 SEQ_LEN = 128
 PEAK_LR = 3e-3
@@ -263,7 +258,8 @@ def train(
     ids, labels = tokens
     model.train()
     last_loss = float("nan")
-    for lr in learning_rates:
+    start = time.perf_counter()
+    for step, lr in enumerate(learning_rates, 1):
         starts = torch.randint(0, len(ids) - SEQ_LEN, (BATCH_SIZE,), generator=generator).tolist()
         batch = torch.stack([ids[s : s + SEQ_LEN] for s in starts])  # (batch, seq_len)
         targets = torch.stack([labels[s : s + SEQ_LEN] for s in starts])  # (batch, seq_len)
@@ -275,6 +271,11 @@ def train(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         last_loss = loss.item()
+        if step % PROGRESS_EVERY_STEPS == 0 or step == len(learning_rates):
+            progress(
+                f"tiny model: step {step}/{len(learning_rates)}, loss {last_loss:.2f}, "
+                f"{time.perf_counter() - start:.0f} s"
+            )
     model.eval()
     return last_loss
 
@@ -299,7 +300,11 @@ def degenerate_prompts(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizer
 
 
 def build_tiny_model(
-    path: Path, *, train_steps: int = TRAIN_STEPS, max_topups: int = MAX_TOPUPS
+    path: Path,
+    *,
+    train_steps: int = TRAIN_STEPS,
+    max_topups: int = MAX_TOPUPS,
+    dtype: str = "float32",
 ) -> Path:
     """Write the complete model directory to `path` (created if missing) and return it.
 
@@ -307,11 +312,13 @@ def build_tiny_model(
     on it a test prompt may fall into a greedy loop. The build checks TEST_PROMPTS itself and trains
     up to `max_topups` short extra rounds until none is degenerate, so the contract the tests rely
     on holds wherever the model is built (and the result stays deterministic per machine).
+    The model is float32 whatever `dtype` the cluster runs: the engine casts it at load.
     """
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    progress(f"tiny model: tokenizer and config ({VOCAB_SIZE} ids)")
     write_tokenizer_files(path)
     write_json(path / "config.json", model_config())
     write_json(path / "generation_config.json", generation_config())
@@ -323,62 +330,30 @@ def build_tiny_model(
         optimizer = make_optimizer(model)
         tokens = training_tokens(path)
         schedule = [learning_rate(step, train_steps) for step in range(train_steps)]
-        loss = train(model, optimizer, tokens, schedule, generator)
-        logger.info("tiny model: trained %d steps, last loss %.2f", train_steps, loss)
+        progress(f"tiny model: training {train_steps} steps on {len(tokens[0])} tokens, 1 thread")
+        train(model, optimizer, tokens, schedule, generator)
         tokenizer = AutoTokenizer.from_pretrained(path)
         for _ in range(max_topups):
+            progress(f"tiny model: checking the {len(TEST_PROMPTS)} test prompts' continuations")
             degenerate = degenerate_prompts(model, tokenizer)
             if not degenerate:
                 break
-            logger.info(
-                "tiny model: %d test prompts loop; training %d more steps",
-                len(degenerate),
-                TOPUP_STEPS,
-            )
+            progress(f"tiny model: {len(degenerate)} loop; training {TOPUP_STEPS} more steps")
             train(model, optimizer, tokens, [TOPUP_LR] * TOPUP_STEPS, generator)
 
+    progress("tiny model: writing model.safetensors")
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
-def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
-    """Build the model once into `cache_dir` and return it; safe when several processes race.
-
-    Each process builds in its own temporary sibling folder and renames it into place; rename is
-    atomic, so the cache folder is either absent or complete. A loser of the race drops its copy.
-    """
-    target = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build_tiny_model(staging)
-        staging.chmod(0o755)  # mkdtemp makes it 0700; give it a plain directory's mode
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the deterministic tiny Qwen3 test model.")
-    parser.add_argument(
-        "path", type=Path, nargs="?", help=f"output directory (default: {DEFAULT_CACHE_DIR})"
-    )
+    parser.add_argument("path", type=Path, help="output directory")
     parser.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
-    if args.path is None:
-        path = ensure_tiny_model()
-    else:
-        path = build_tiny_model(args.path, train_steps=args.train_steps)
+    path = build_tiny_model(args.path, train_steps=args.train_steps)
     print(f"tiny model ready in {path} ({time.perf_counter() - start:.1f}s)")
 
 

@@ -24,7 +24,6 @@ import msgspec
 
 from common.errors import InvalidRequest
 from common.protocol import GenerateRequest
-from common.tokenizer import Tokenizer
 from frontend import chat
 from frontend.chat import (
     ChatCompletionRequest,
@@ -111,9 +110,9 @@ class MessagesRequest(_Strict):
     metadata: dict[str, Any] | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
     # extensions (older versions of the API had some): sampling controls
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None  # None: the model's default (frontend/sampling.py)
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
 
 
@@ -219,15 +218,15 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def count_tokens(body: CountTokensRequest, tokenizer: Tokenizer) -> int:
-    rendered = render_chat(as_chat(body), tokenizer, tokenizer.chat_template)
-    return len(tokenizer.encode(rendered.prompt_text))
+def count_tokens(body: CountTokensRequest, model: ModelInfo) -> int:
+    rendered = render_chat(as_chat(body), model)
+    return len(model.tokenizer.encode(rendered.prompt_text))
 
 
 def to_generate_request(body: MessagesRequest, model: ModelInfo, reply_to: str) -> GenerateRequest:
     # Anthropic's own ranges: temperature in [0, 1]; a thinking budget of at least 1024 tokens
     # and below max_tokens
-    if not 0.0 <= body.temperature <= 1.0:
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
         raise InvalidRequest(
             f"temperature must be in [0, 1], got {body.temperature}", "temperature"
         )

@@ -111,9 +111,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     async def count_message_tokens(request: Request) -> Response:
         body = await decode_body(request, anthropic.CountTokensRequest)
         check_model(body.model)
-        return _json(
-            {"input_tokens": await off_loop(anthropic.count_tokens, body, model.tokenizer)}
-        )
+        return _json({"input_tokens": await off_loop(anthropic.count_tokens, body, model)})
 
     async def list_models(request: Request) -> Response:
         card = {
@@ -140,9 +138,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
-            rendered = await off_loop(
-                chat.render_chat, as_chat, model.tokenizer, model.tokenizer.chat_template
-            )
+            rendered = await off_loop(chat.render_chat, as_chat, model)
             text = rendered.prompt_text
         else:
             text = body.prompt or ""

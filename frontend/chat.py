@@ -16,16 +16,13 @@ import msgspec
 
 from common.errors import InvalidRequest
 from common.guided import check
-from common.parser_choice import reasoning_parser_for, tool_parser_for
+from common.parser_choice import reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
 from common.thinking import resolve_prefilled_thinking
-from common.tokenizer import Tokenizer
-from frontend.chat_template import RenderedPrompt, render
+from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, new_request_id
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -33,6 +30,7 @@ from frontend.sampling import (
     stop_list,
 )
 from frontend.structured import ResponseFormat, ToolPlan, combine, from_guided_fields, plan_tools
+from frontend.tool_prompt import fold_tools
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -84,8 +82,8 @@ class ChatCompletionRequest(_Strict):
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
+    temperature: float | None = None  # None: the model's default (frontend/sampling.py)
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -105,9 +103,9 @@ class ChatCompletionRequest(_Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None  # Lark, llguidance's dialect
     # extensions, as in vLLM
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -141,24 +139,41 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect (developer is a system turn)."""
+    """Messages as the plain dicts chat templates expect: developer is a system turn, and text
+    parts are joined into one string (as vLLM does for text models: many templates, SmolLM2's
+    among them, concatenate `content` as a string)."""
     out = []
     for message in messages:
         record = msgspec.to_builtins(message)
         if record["role"] == "developer":
             record["role"] = "system"
+        if isinstance(message.content, list):
+            record["content"] = "\n".join(
+                part.text for part in message.content if isinstance(part, TextPart)
+            )
         out.append(record)
     return out
 
 
-def render_chat(
-    body: ChatCompletionRequest, tokenizer: Tokenizer, default_template: str | None
-) -> RenderedPrompt:
+def tool_dicts(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Tools as the client sent them ({"type": "function", "function": {...}}): the templates
+    print them, so the defaulted `type` must not be left out as msgspec's encoder would."""
+    return [{"type": t.type, "function": msgspec.to_builtins(t.function)} for t in tools]
+
+
+def render_chat(body: ChatCompletionRequest, model: ModelInfo) -> RenderedPrompt:
     """The template's output, with `thinking` and `enable_thinking` made equal first: templates
-    read one or the other, and the reasoning parser ORs them (a stale one would win)."""
-    source = body.chat_template or default_template
+    read one or the other, and the reasoning parser ORs them (a stale one would win). A template
+    that ignores `tools` gets them, and the conversation's calls and results, written into the
+    turns in the tool parser's format (frontend/tool_prompt.py)."""
+    tokenizer = model.tokenizer
+    source = body.chat_template or tokenizer.chat_template
     if source is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+    messages = template_messages(body.messages)
+    tools = tool_dicts(body.tools) if body.tools else None
+    if not takes_tools(source):
+        messages, tools = fold_tools(messages, tools, model.tool_parser), None
     special_tokens = {
         name: tokenizer.id_to_token(token_id) or ""
         for name, token_id in (
@@ -169,8 +184,8 @@ def render_chat(
     }
     return render(
         source,
-        template_messages(body.messages),
-        tools=[msgspec.to_builtins(t) for t in body.tools] if body.tools else None,
+        messages,
+        tools=tools,
         add_generation_prompt=body.add_generation_prompt,
         special_tokens=special_tokens,
         template_kwargs=thinking_kwargs(body.chat_template_kwargs or {}),
@@ -194,8 +209,13 @@ def to_generate_request(
     """Validate, render, tokenize and translate; raises InvalidRequest naming the parameter."""
     check_request(body, allow_request_template)
     tokenizer = model.tokenizer
-    tools = [msgspec.to_builtins(t) for t in body.tools or []]
-    plan = plan_tools(tools, body.tool_choice)
+    tools = tool_dicts(body.tools or [])
+    plan = plan_tools(
+        tools,
+        body.tool_choice,
+        tags_are_tokens=tokenizer.token_to_id("<tool_call>") is not None,
+        parallel=body.parallel_tool_calls is not False,
+    )
     constraint = combine(
         plan,
         from_guided_fields(
@@ -204,7 +224,7 @@ def to_generate_request(
     )
     if constraint is not None:
         check(constraint, model.ll_tokenizer())
-    rendered = render_chat(body, tokenizer, tokenizer.chat_template)
+    rendered = render_chat(body, model)
     rendered = RenderedPrompt(rendered.template_text, rendered.template_text + plan.prompt_prefix)
     prompt = tokenizer.encode(rendered.prompt_text)
     requested = (
@@ -212,11 +232,12 @@ def to_generate_request(
     )
     sampling = sampling_params(
         body,
+        defaults=model.sampling_defaults,
         vocab_size=model.vocab_size,
         max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias(body.logit_bias, model.vocab_size),
-        stop=stop_list(body.stop),
+        stop=stop_list(body.stop) + list(plan.stop),
         guided=constraint,
     )
     prompt_b64 = encode_token_ids(prompt)
@@ -229,7 +250,7 @@ def to_generate_request(
         stop=sampling.stop,
         skip_special_tokens=body.skip_special_tokens,
         prompt_token_ids_b64=prompt_b64,
-        parser_state=parser_state(model.model_type, rendered, plan),
+        parser_state=parser_state(model, rendered, plan),
     )
     return GenerateRequest(
         request_id=new_request_id("chatcmpl"),
@@ -243,15 +264,15 @@ def to_generate_request(
     )
 
 
-def parser_state(model_type: str, rendered: RenderedPrompt, plan: ToolPlan) -> dict[str, Any]:
+def parser_state(model: ModelInfo, rendered: RenderedPrompt, plan: ToolPlan) -> dict[str, Any]:
     """The postproc parsers' starting state. The thinking state is read from the template's own
     output (not the prompt with an injected prefix): only the frontend sees that text."""
     state: dict[str, Any] = {}
-    reasoning = reasoning_parser_for(model_type)
+    reasoning = reasoning_parser_for(model.model_type)
     if reasoning is not None:
         state["reasoning_parser"] = reasoning
         state["thinking"] = resolve_prefilled_thinking(rendered.template_text)
     if plan.parse_tools:
-        state["tool_parser"] = tool_parser_for(model_type)
+        state["tool_parser"] = model.tool_parser
         state["in_tool_call"] = plan.in_tool_call
     return state

@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -63,6 +64,16 @@ def compile_template(source: str) -> jinja2.Template:
         raise InvalidRequest(f"the chat template does not compile: {e}", "chat_template") from None
 
 
+@lru_cache(maxsize=16)
+def takes_tools(source: str) -> bool:
+    """Whether the template reads the `tools` variable at all (many plain ChatML ones do not)."""
+    env = jinja2.Environment(extensions=[loopcontrols])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequest(f"the chat template does not compile: {e}", "chat_template") from None
+
+
 def render(
     source: str,
     messages: list[dict[str, Any]],
@@ -86,6 +97,6 @@ def render(
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-    except jinja2.TemplateError as e:
+    except Exception as e:  # the template is code run on the client's data: any failure is a 400
         raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from None
     return RenderedPrompt(template_text=text, prompt_text=text)

@@ -16,8 +16,6 @@ from common.tokenizer import Tokenizer
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -36,8 +34,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     prompt: str | list[Any] | None = None  # a string, strings, token ids, or lists of ids
     suffix: str | None = None  # not supported: a 400 when set
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
+    temperature: float | None = None  # None: the model's default (frontend/sampling.py)
+    top_p: float | None = None
     n: int = 1
     best_of: int | None = None
     stream: bool = False
@@ -51,9 +49,9 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions, as in vLLM
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -132,6 +130,7 @@ def to_generate_requests(
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         sampling = sampling_params(
             body,
+            defaults=model.sampling_defaults,
             vocab_size=vocab_size,
             max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
             logprobs=body.logprobs,

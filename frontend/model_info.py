@@ -11,20 +11,25 @@ from pathlib import Path
 
 import llguidance
 
+from common.builtin_models import builtin_model, resolve_model_dir
 from common.config import ClusterConfig
 from common.guided import ll_tokenizer
-from common.tokenizer import Tokenizer, load_tokenizer, resolve_model_dir
+from common.parser_choice import tool_parser_for
+from common.tokenizer import Tokenizer, load_tokenizer
+from frontend.sampling import SamplingDefaults
 
 
 @dataclass(slots=True)
 class ModelInfo:
     name: str  # the `model:` value clients must send
     model_dir: Path
-    model_type: str  # config.json's, e.g. "qwen3": picks the reasoning and tool parsers
+    model_type: str  # config.json's, e.g. "qwen3": picks the reasoning parser
+    tool_parser: str  # the tool-call format: parsed in the postproc worker, taught by the prompt
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: SamplingDefaults  # what omitted sampling fields mean
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -32,16 +37,24 @@ class ModelInfo:
 
 
 def load_model_info(config: ClusterConfig) -> ModelInfo:
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_model_dir(config.model, config.dtype)
     hf_config = json.loads((model_dir / "config.json").read_text())
+    model_type = str(hf_config.get("model_type", ""))
+    builtin = builtin_model(config.model)
     eos = hf_config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     return ModelInfo(
         name=config.model,
         model_dir=model_dir,
-        model_type=str(hf_config.get("model_type", "")),
+        model_type=model_type,
+        tool_parser=config.tool_parser
+        or (builtin and builtin.tool_parser)
+        or tool_parser_for(model_type),
         tokenizer=load_tokenizer(model_dir),
         max_model_len=int(hf_config["max_position_embeddings"]),
         vocab_size=int(hf_config["vocab_size"]),
         eos_token_ids=eos_ids,
+        sampling_defaults=SamplingDefaults.of_model(model_dir)
+        if config.frontend.sampling_defaults == "model"
+        else SamplingDefaults(),
     )

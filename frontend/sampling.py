@@ -1,21 +1,44 @@
-"""From an OpenAI-style request body to SamplingParams: the protocol defaults pinned in one place,
-and the checks every generation route shares (context length, vocabulary).
+"""From an OpenAI-style request body to SamplingParams: the defaults pinned in one place, and the
+checks every generation route shares (context length, vocabulary).
 
-Defaults are OpenAI's, not the model's generation_config.json: temperature 1.0, top_p 1.0, n 1,
-max_tokens 16 for completions, and for chat "up to the context" (OpenAI's max_completion_tokens).
+A sampling field the request leaves out (or sends as null) takes the model's default from its
+generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does, and
+otherwise OpenAI's: temperature 1.0, top_p 1.0. `frontend.sampling_defaults: openai` ignores the
+model's. n is 1, max_tokens 16 for completions, and for chat "up to the context" (OpenAI's
+max_completion_tokens).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Protocol
 
 from common.errors import InvalidRequest
 from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What an omitted sampling field means: OpenAI's values, or the model's where it has one."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of_model(cls, model_dir: Path) -> SamplingDefaults:
+        """The fields generation_config.json sets (whatever its do_sample says, as in vLLM)."""
+        path = model_dir / "generation_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        known = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in known and v is not None})
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -78,11 +101,11 @@ class SamplingFields(Protocol):
     """The sampling fields OpenAI's completion and chat bodies (and our extensions) share."""
 
     n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
     presence_penalty: float
     frequency_penalty: float
     seed: int | None
@@ -95,6 +118,7 @@ class SamplingFields(Protocol):
 def sampling_params(
     body: SamplingFields,
     *,
+    defaults: SamplingDefaults,
     vocab_size: int,
     max_tokens: int,
     logprobs: int | None,
@@ -103,13 +127,18 @@ def sampling_params(
     guided: GuidedDecoding | None,
 ) -> SamplingParams:
     """The request's SamplingParams, validated; the route-specific fields are passed in."""
+
+    def given_or_default(name: str) -> float:
+        value = getattr(body, name)
+        return getattr(defaults, name) if value is None else value
+
     params = SamplingParams(
         n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
+        temperature=given_or_default("temperature"),
+        top_p=given_or_default("top_p"),
+        top_k=int(given_or_default("top_k")),
+        min_p=given_or_default("min_p"),
+        repetition_penalty=given_or_default("repetition_penalty"),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,

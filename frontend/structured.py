@@ -35,6 +35,7 @@ class ToolPlan:
     prompt_prefix: str = ""  # appended after the template's output
     parse_tools: bool = False  # run the tool-call parser on the output
     in_tool_call: bool = False  # the output starts inside a call (the prefix opened it)
+    stop: tuple[str, ...] = ()  # stop strings to add (the end of the one allowed call)
 
 
 def from_guided_fields(
@@ -77,8 +78,16 @@ def _response_format(response_format: ResponseFormat) -> GuidedDecoding:
     )
 
 
-def plan_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None) -> ToolPlan:
-    """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}})."""
+def plan_tools(
+    tools: list[dict[str, Any]],
+    tool_choice: str | dict[str, Any] | None,
+    tags_are_tokens: bool = True,
+    parallel: bool = True,
+) -> ToolPlan:
+    """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}});
+    `tags_are_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens; `parallel`
+    False (parallel_tool_calls): one call at most, by the grammar where there is one, else by
+    stopping where the first call closes."""
     functions = [t["function"] for t in tools]
     if tool_choice == "none" or not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -87,10 +96,15 @@ def plan_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | 
     if tool_choice in (None, "auto"):
         strict = [f for f in functions if f.get("strict")]
         return ToolPlan(
-            guided=guided.triggered_tool_calls(strict) if strict else None, parse_tools=True
+            guided=guided.triggered_tool_calls(strict) if strict else None,
+            parse_tools=True,
+            stop=() if parallel else (guided.TOOL_CALL_END,),
         )
     if tool_choice == "required":
-        return ToolPlan(guided=guided.required_tool_calls(functions), parse_tools=True)
+        return ToolPlan(
+            guided=guided.required_tool_calls(functions, tags_are_tokens, parallel),
+            parse_tools=True,
+        )
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         chosen = [f for f in functions if f["name"] == name]
@@ -99,7 +113,7 @@ def plan_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | 
                 f"tool_choice names {name!r}, which is not in tools", "tool_choice"
             )
         return ToolPlan(
-            guided=guided.named_tool_call(chosen[0]),
+            guided=guided.named_tool_call(chosen[0], tags_are_tokens),
             prompt_prefix=guided.TOOL_CALL_BEGIN,
             parse_tools=True,
             in_tool_call=True,

@@ -1,4 +1,4 @@
-"""The `orchestrator` command: build the tiny model, bring a cluster up, report its status."""
+"""The `orchestrator` command: build a builtin model, bring a cluster up, report its status."""
 
 from __future__ import annotations
 
@@ -6,20 +6,29 @@ import argparse
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 
+from common.builtin_models import TINY, builtin_model, resolve_model_dir
 from common.config import ClusterConfig, ConfigError, load_cluster_config
-from common.tokenizer import BUILTIN_TINY, resolve_model_dir
+from common.model_cache import is_verified
+from orchestrator.run_records import RECORDS_DIR, running_clusters
 from orchestrator.supervisor import query_cluster_info, run_cluster
 
 STATUS_TIMEOUT_S = 2.0
 
 
+def build_model(model: str, dtype: str = "float32") -> int:
+    """Build (or verify) a builtin in a child process: the orchestrator never imports torch."""
+    return subprocess.call([sys.executable, "-m", "engine.builtin_build", model, "--dtype", dtype])
+
+
 def tiny_model(path: str | None) -> int:
-    """Build the tiny model in a child process: the orchestrator itself never imports torch."""
-    cmd = [sys.executable, "-m", "engine.tiny_model"] + ([path] if path else [])
-    return subprocess.call(cmd)
+    """The tiny model into the cache, or into `path` (a fresh build, not cached)."""
+    if path is None:
+        return build_model(TINY.name)
+    return subprocess.call([sys.executable, "-m", "engine.tiny_model", path])
 
 
 def load_config(path: str | None) -> ClusterConfig | None:
@@ -31,17 +40,21 @@ def load_config(path: str | None) -> ClusterConfig | None:
         return None
 
 
-def ensure_model(model: str) -> int:
-    """0 when the model directory is usable; builds builtin:tiny on first use (about a minute)."""
+def ensure_model(model: str, dtype: str) -> int:
+    """0 when the model directory is usable; a builtin is built first when it is missing or its
+    weights no longer match their checksum (under a minute; once per machine)."""
+    builtin = builtin_model(model)
+    if builtin is not None:
+        if is_verified(builtin.model_dir(dtype if builtin.per_dtype else "float32")):
+            return 0
+        logging.getLogger(__name__).info("%s is not built yet: building it first", model)
+        return 0 if build_model(model, dtype) == 0 else 1
     try:
         resolve_model_dir(model)
         return 0
     except FileNotFoundError as exc:
-        if model != BUILTIN_TINY:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    logging.getLogger(__name__).info("the tiny model is not built yet: building it first")
-    return 0 if tiny_model(None) == 0 else 1
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def up(config_path: str | None, ready_timeout_s: float) -> int:
@@ -49,18 +62,30 @@ def up(config_path: str | None, ready_timeout_s: float) -> int:
     config = load_config(config_path)
     if config is None:
         return 2
-    rc = ensure_model(config.model)
+    rc = ensure_model(config.model, config.dtype)
     if rc != 0:
         return rc
     return run_cluster(config, config_path, ready_timeout_s=ready_timeout_s)
 
 
-def status(config_path: str | None) -> int:
-    """Print the orchestrator's ClusterInfo as JSON (the same record as GET /cluster_info)."""
+def status(config_path: str | None, records_dir: Path = RECORDS_DIR) -> int:
+    """Print the orchestrator's ClusterInfo as JSON (the same record as GET /cluster_info): of
+    the cluster `config_path` describes, else of the one `orchestrator up` runs on this machine,
+    else at the default address."""
     config = load_config(config_path)
     if config is None:
         return 2
     address = config.orchestrator.address
+    running = [] if config_path else running_clusters(records_dir)
+    if len(running) > 1:
+        listing = "\n".join(f"  pid {r.pid}: {r.config_path or '(defaults)'}" for r in running)
+        print(
+            f"error: {len(running)} clusters are running; name one's cluster.yaml:\n{listing}",
+            file=sys.stderr,
+        )
+        return 2
+    if running:
+        address = running[0].orchestrator_address
     info = query_cluster_info(address, timeout_s=STATUS_TIMEOUT_S)
     if info is None:
         print(
@@ -92,8 +117,11 @@ def probe(worker_id: str, config_path: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("tiny-model", help="build the deterministic tiny model (offline)")
-    build.add_argument("path", nargs="?", help="output directory (default: the builtin:tiny cache)")
+    build = commands.add_parser("build-model", help="build a builtin model into the cache")
+    build.add_argument("model", help="builtin:smollm2-135m or builtin:tiny")
+    build.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    tiny = commands.add_parser("tiny-model", help="build the deterministic tiny model (offline)")
+    tiny.add_argument("path", nargs="?", help="output directory (default: the builtin:tiny cache)")
     start = commands.add_parser("up", help="start the cluster and keep it running until Ctrl-C")
     report = commands.add_parser("status", help="print the running cluster's workers as JSON")
     check = commands.add_parser("probe", help="exit 0 when a worker is registered and ready")
@@ -112,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    if args.command == "build-model":
+        return build_model(args.model, args.dtype)
     if args.command == "tiny-model":
         return tiny_model(args.path)
     if args.command == "up":

@@ -33,6 +33,7 @@ from common.config import ClusterConfig
 from common.protocol import ClusterInfo, ClusterInfoRequest
 from common.transport import make_socket, recv, send
 from common.worker_link import EXIT_REFUSED
+from orchestrator.run_records import RunRecord, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +342,13 @@ def run_cluster(
     supervisor = Supervisor(specs)
     host = config.frontend.host
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    record = RunRecord(
+        pid=os.getpid(),
+        orchestrator_address=config.orchestrator.address,
+        url=f"http://{client_host}:{config.frontend.port}",
+        config_path=os.path.abspath(config_path) if config_path else None,
+    )
+    record_path = write_record(record)
     try:
         supervisor.start()
         report = wait_until_ready(
@@ -365,4 +373,5 @@ def run_cluster(
         return 0
     finally:
         supervisor.stop()
+        record_path.unlink(missing_ok=True)
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -13,6 +13,7 @@ import os
 
 import zmq
 
+from common.builtin_models import resolve_model_dir
 from common.config import ClusterConfig
 from common.errors import error_body
 from common.protocol import (
@@ -25,7 +26,7 @@ from common.protocol import (
     TokenBatch,
     WorkerStats,
 )
-from common.tokenizer import load_tokenizer, resolve_model_dir
+from common.tokenizer import load_tokenizer
 from common.transport import bind_random_port, make_socket, recv
 from common.worker_link import OrchestratorLink, PushSockets
 from postproc_worker.formatter import RequestState
@@ -37,7 +38,7 @@ POLL_MS = 100
 
 class PostprocWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
-        self.tokenizer = load_tokenizer(resolve_model_dir(config.model))
+        self.tokenizer = load_tokenizer(resolve_model_dir(config.model, config.dtype))
         self.tokens = make_socket(context, zmq.PULL)
         self.address = bind_random_port(self.tokens, config.internal_host, config.advertise_host)
         self.requests: dict[str, RequestState] = {}

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Cluster, stop, wait_healthy, write_config
+from tests.integration.harness import MODEL, Cluster, stop, wait_healthy, write_config
 
 
 @pytest.fixture(scope="module")
 def start_cluster(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ) -> Iterator[Callable[..., Cluster]]:
-    """A factory: start_cluster(mode, extra=, frontend=, api_key=, kv_cache=) -> Cluster (the
-    strings are YAML keys to add); every cluster is stopped after the module."""
+    """A factory: start_cluster(mode, extra=, frontend=, api_key=, kv_cache=, model=) -> Cluster
+    (the strings are YAML keys to add); every cluster is stopped after the module."""
     started: list[tuple[Cluster, list[int]]] = []
 
     def start(
@@ -27,11 +27,13 @@ def start_cluster(
         api_key: str | None = None,
         kv_cache: str = "",
         orchestrator: str | None = None,
+        model: str = MODEL,
     ) -> Cluster:
         tmp = tmp_path_factory.mktemp(f"cluster-{mode}")
         if api_key:
             frontend = ", ".join(filter(None, [frontend, f"api_key: {api_key}"]))
         options = {"orchestrator": orchestrator} if orchestrator else {}
+        options["model"] = model
         config_path, port = write_config(
             tmp / "cluster.yaml", mode, extra, frontend, kv_cache, **options
         )

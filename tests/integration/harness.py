@@ -84,6 +84,7 @@ def write_config(
     frontend: str = "",
     kv_cache: str = "",
     orchestrator: str = "router: kv_aware, worker_timeout_seconds: 5",
+    model: str = MODEL,
 ) -> tuple[Path, int]:
     """cluster.yaml on free loopback ports; `extra`: more top-level keys; `frontend`, `kv_cache`:
     keys added to those sections; `orchestrator`: that section's keys but the address."""
@@ -91,7 +92,7 @@ def write_config(
     frontend = f", {frontend}" if frontend else ""
     kv_cache = f", {kv_cache}" if kv_cache else ""
     path.write_text(
-        f"model: {MODEL}\n"
+        f"model: {model}\n"
         f"mode: {mode}\n"
         f"frontend: {{host: 127.0.0.1, port: {port}{frontend}}}\n"
         f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", {orchestrator}}}\n'

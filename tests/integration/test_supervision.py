@@ -13,6 +13,7 @@ import time
 import openai
 
 from engine.tiny_model import TEST_PROMPTS
+from orchestrator.run_records import running_clusters
 from tests.integration.harness import MODEL, Cluster
 
 RECOVERY_TIMEOUT_S = 60.0
@@ -67,3 +68,6 @@ def test_status_and_probe_commands(start_cluster) -> None:
     assert ready.returncode == 0, ready.stderr
     missing = subprocess.run([*probe, "gen-9", str(config_path)], capture_output=True, timeout=30)
     assert missing.returncode == 1 and b"gen-9" in missing.stderr
+    # what `orchestrator status` without a file reads: the supervisor's record of this cluster
+    (running,) = [r for r in running_clusters() if r.pid == cluster.process.pid]
+    assert running.config_path == str(config_path) and running.url == cluster.url

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_shipped_cluster_yaml_is_the_embedded_default() -> None:
     config = load_cluster_config(ROOT / "deploy/local/cluster.yaml")
     assert config == ClusterConfig()
-    assert config.model == "builtin:tiny"
+    assert config.model == "builtin:smollm2-135m"
     assert config.frontend.host == "127.0.0.1"
 
 

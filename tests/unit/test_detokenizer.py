@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tokenizer import (
-    BUILTIN_TINY,
-    TINY_MODEL_DIR,
-    Tokenizer,
-    load_tokenizer,
-    resolve_model_dir,
-)
+from common.tokenizer import Tokenizer, load_tokenizer
 from postproc_worker.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -151,12 +145,3 @@ def test_token_bytes_are_exact_for_partial_characters(tokenizer: Tokenizer) -> N
     text = TEXTS[1] + TEXTS[2]
     token_ids = tokenizer.encode(text)
     assert b"".join(tokenizer.token_bytes(t) for t in token_ids) == text.encode()
-
-
-def test_resolve_model_dir(tmp_path: Path, tiny_model_path: Path) -> None:
-    assert resolve_model_dir(BUILTIN_TINY) == TINY_MODEL_DIR == tiny_model_path
-    assert resolve_model_dir(str(tiny_model_path)) == tiny_model_path
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
-        resolve_model_dir(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="not a directory"):
-        resolve_model_dir(str(tmp_path / "missing"))

@@ -131,3 +131,31 @@ def test_strict_tools_leave_text_free_until_a_call_opens(tiny_model_path: Path) 
     assert matcher.consume_tokens(tokenizer.encode("<tool_call>\n"))
     inside = allowed()  # only what continues {"name": "get_weather", ...
     assert inside and all(tokenizer.decode([t]).lstrip().startswith("{") for t in inside)
+
+
+def test_forced_calls_use_text_tags_where_the_tokenizer_has_no_tag_tokens(
+    smollm2_path: Path,
+) -> None:
+    """SmolLM2 has no <tool_call> token: its forced-call grammar spells the tags as text, and
+    parallel_tool_calls false allows exactly one call."""
+    import llguidance
+
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    assert tokenizer.token_to_id("<tool_call>") is None
+    ll = guided.ll_tokenizer(smollm2_path, 49152, (2,))
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+
+    def accepts(spec, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, spec.grammar)
+        return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
+
+    for parallel in (True, False):
+        spec = guided.required_tool_calls([WEATHER], tags_are_tokens=False, parallel=parallel)
+        guided.check(spec, ll)
+        assert accepts(spec, call)
+        assert accepts(spec, call + "\n" + call) == parallel
+        assert not accepts(spec, call.replace("get_weather", "get_time"))
+    named = guided.named_tool_call(WEATHER, tags_are_tokens=False)
+    assert accepts(named, call.removeprefix(guided.TOOL_CALL_BEGIN))

@@ -9,8 +9,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import tiny_model
-from engine.tiny_model import TEST_PROMPTS, build_tiny_model, ensure_tiny_model
+from engine.builtin_build import ensure_builtin
+from engine.tiny_model import TEST_PROMPTS, build_tiny_model, load_corpus
 from engine.tiny_tokenizer import ADDED_TOKENS, NUM_KEPT_RANKS, QWEN_SPLIT_PATTERN, load_qwen_ranks
 
 ROUND_TRIP_TEXTS = [
@@ -103,7 +103,7 @@ def test_tokenizer_matches_tiktoken_bpe_on_the_kept_ranks(tokenizer) -> None:
         mergeable_ranks=load_qwen_ranks(),
         special_tokens=special,
     )
-    texts = [*ROUND_TRIP_TEXTS, tiny_model.load_corpus()]
+    texts = [*ROUND_TRIP_TEXTS, load_corpus()]
     for text in texts:
         expected = reference.encode(text, allowed_special="all")
         assert tokenizer.encode(text, add_special_tokens=False) == expected
@@ -229,26 +229,8 @@ def test_full_build_reproduces_the_cached_model(tiny_model_path: Path, tmp_path:
     assert (rebuilt / "model.safetensors").read_bytes() == cached
 
 
-def test_ensure_tiny_model_returns_the_cache_without_rebuilding(tiny_model_path: Path) -> None:
+def test_ensure_builtin_returns_the_cache_without_rebuilding(tiny_model_path: Path) -> None:
     weights = tiny_model_path / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert ensure_tiny_model() == tiny_model_path
+    assert ensure_builtin("builtin:tiny") == tiny_model_path
     assert weights.stat().st_mtime_ns == mtime
-
-
-def test_ensure_tiny_model_keeps_the_winner_of_a_build_race(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = tmp_path / "cache" / "tiny"
-
-    def racing_build(path: Path, **_: object) -> Path:
-        # Another process finishes first while this one is still building.
-        cache.mkdir(parents=True)
-        (cache / "model.safetensors").write_text("winner")
-        (path / "model.safetensors").write_text("loser")
-        return path
-
-    monkeypatch.setattr(tiny_model, "build_tiny_model", racing_build)
-    assert ensure_tiny_model(cache) == cache
-    assert (cache / "model.safetensors").read_text() == "winner"
-    assert [p.name for p in cache.parent.iterdir()] == ["tiny"]  # the staging copy is gone

