@@ -44,6 +44,9 @@ class OrchestratorConfig(_Section, frozen=True):
     max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 0  # shorter prompts skip P/D
     heartbeat_interval_seconds: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     worker_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # silent longer: dead
+    # A live worker whose loop has not finished a step for this long is `stalled`: reported, kept,
+    # and routed around. Heartbeats come from their own thread, so a long step is not death.
+    stall_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     max_requests: Positive = 4096  # in flight at once; beyond it a 429 with Retry-After
 
 

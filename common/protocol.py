@@ -6,6 +6,7 @@
     context / generation worker ──KVEvents──────────▶ orchestrator (kv_aware router, event queue)
     orchestrator ──RequestFailed────────────────────▶ frontend
     worker ──Register / Heartbeat───────────────────▶ orchestrator ──Registered / Refused──▶ worker
+    generation worker ──PeersRequest────────────────▶ orchestrator ──Registered──▶ that worker
     orchestrator ──RegisterAgain────────────────────▶ worker it does not know (it restarted)
     orchestrator ──PrefillRequest / Abort───────────▶ context worker
     context worker ──PrefillDone / RequestFailed────▶ orchestrator
@@ -34,7 +35,7 @@ from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Role = Literal["context", "generation", "postproc", "frontend"]
 
@@ -134,10 +135,18 @@ class Register(_Message, tag="register"):
 
 
 class Registered(_Message, tag="registered"):
-    """Sent to a worker on registration, and again when peers change: everyone it must know."""
+    """Sent to a worker on registration, and to generation workers whenever the set of live
+    context workers changes, or a heartbeat shows an older `peers_version` than the current one
+    (so a lost update, or a worker that was out of touch, converges): everyone it must know."""
 
-    peers: list[KVPool] = msgspec.field(default_factory=list)  # context workers' pools
-    postproc_addresses: list[str] = msgspec.field(default_factory=list)
+    peers: list[KVPool] = msgspec.field(default_factory=list)  # live context workers' pools
+    peers_version: int = 0  # increases with each change of `peers`
+
+
+class PeersRequest(_Message, tag="peers_request"):
+    """A generation worker was handed KV on a peer it does not know: send the peer set again."""
+
+    worker_id: str
 
 
 class Refused(_Message, tag="refused"):
@@ -175,8 +184,12 @@ class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class Heartbeat(_Message, tag="heartbeat"):
+    """From each worker's heartbeat thread, whatever its loop is doing (common/worker_link.py)."""
+
     worker_id: str
     stats: WorkerStats | None = None
+    progress_age_s: float = 0.0  # since the worker's loop last finished a step
+    peers_version: int = 0  # of the last Registered the worker applied
 
 
 # TokenDelta.finish_reason of a request that failed: its postproc worker drops it and sends the
@@ -251,7 +264,8 @@ class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
     role: str  # orchestrator | context | generation | postproc | frontend
     pid: int
     address: str
-    state: str  # ready | dead
+    state: str  # ready | stalled (alive, its loop not progressing) | dead
+    progress_age_s: float = 0.0  # since its loop last finished a step
     events_address: str = ""  # its KV-event PUB socket, if it publishes
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
 
@@ -304,6 +318,7 @@ Message = (
     | Refused
     | RegisterAgain
     | Heartbeat
+    | PeersRequest
     | PrefillRequest
     | PrefillDone
     | DecodeRequest

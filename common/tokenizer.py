@@ -83,6 +83,12 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary spelling bounds it)."""
+        return max(
+            (len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1
+        )
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no BOS/EOS inserted (chat templates already carry their markers)."""
         return list(self._backend.encode(text, add_special_tokens=False).ids)

@@ -4,6 +4,17 @@ Shared by every worker kind (context, generation, postproc) so that registration
 everywhere: a refused registration (protocol version, duplicate id) ends the process with exit
 code 2, which the supervisor does not restart; an orchestrator that restarted and no longer knows
 the worker answers a heartbeat with RegisterAgain, and the worker registers again.
+
+Liveness is apart from progress: heartbeats go out from a thread of their own, on a socket of
+their own, every `heartbeat_interval_seconds` whatever the loop is doing (torch releases the GIL
+in its kernels), so a long engine step no longer looks like a dead worker. Each heartbeat says
+how long ago the loop last finished a step (`progress_age_s`): the orchestrator reports a worker
+alive but not progressing as stalled and routes around it. Only a process that is stopped, gone
+or wedged with the GIL held misses its heartbeats.
+
+    main thread:  register ─ step ─ link.progress() ─ step ─ ...   (commands on the DEALER)
+    heartbeats:   ─ Heartbeat(stats snapshot, progress age, peers version) every interval ─▶
+                  (its own DEALER; a RegisterAgain answer is passed to the main thread)
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from common.transport import make_socket, recv, send
 logger = logging.getLogger(__name__)
 
 EXIT_REFUSED = 2
+STATS_WAIT_S = 0.05  # how long a heartbeat waits for the loop to read fresh stats
 
 
 class OrchestratorLink:
@@ -47,28 +59,38 @@ class OrchestratorLink:
         self.register_message = register
         self.heartbeat_interval_s = orchestrator.heartbeat_interval_seconds
         self.stats = stats
+        self.context = context
+        self.address = orchestrator.address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, register.worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(orchestrator.address)
         self.registered: Registered | None = None
-        self._next_heartbeat = 0.0
+        self.peers_version = 0  # of the last Registered applied (the orchestrator resends newer)
         self._registered_at = 0.0
+        # Shared with the heartbeat thread: plain attribute reads and writes, each atomic.
+        self._stats_snapshot: WorkerStats = stats()
+        self._progress_at = time.monotonic()
+        self._stats_wanted = threading.Event()  # the thread asks the loop for fresh stats ...
+        self._stats_taken = threading.Event()  # ... and the loop says it took them
+        self._register_again = threading.Event()
+        self._stop_heartbeats = threading.Event()
+        self._heartbeats: threading.Thread | None = None
 
     @property
     def worker_id(self) -> str:
         return self.register_message.worker_id
 
     def register(self, stop: threading.Event, timeout_s: float = 120.0) -> Registered | None:
-        """Send Register until the orchestrator answers (it may start after the worker); None
-        when `stop` is set first."""
+        """Send Register until the orchestrator answers (it may start after the worker), then
+        start the heartbeats; None when `stop` is set first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not stop.is_set():
             send(self.socket, self.register_message)
             if self.socket.poll(1000):
                 for message in self.receive():
                     if isinstance(message, Registered):
-                        self.registered = message
+                        self.start_heartbeats()
                         return message
         if stop.is_set():
             return None
@@ -79,32 +101,84 @@ class OrchestratorLink:
         """Everything waiting, minus the link's own traffic (Refused exits, RegisterAgain
         re-registers); Registered updates are both kept here and returned."""
         messages: list[Message] = []
+        if self._register_again.is_set():
+            self._register_again.clear()
+            self._send_register_again()
         while (message := recv(self.socket, "the orchestrator")) is not None:
             if isinstance(message, Refused):
                 logger.error("%s: registration refused: %s", self.worker_id, message.reason)
                 sys.exit(EXIT_REFUSED)
             if isinstance(message, RegisterAgain):
-                # Every heartbeat sent while the orchestrator was down is answered: once will do.
-                if time.monotonic() - self._registered_at > self.heartbeat_interval_s:
-                    logger.warning(
-                        "%s: the orchestrator restarted; registering again", self.worker_id
-                    )
-                    send(self.socket, self.register_message)
-                    self._registered_at = time.monotonic()
+                self._send_register_again()
                 continue
             if isinstance(message, Registered):
                 self.registered = message
+                self.peers_version = message.peers_version
             messages.append(message)
         return messages
+
+    def _send_register_again(self) -> None:
+        # Every heartbeat sent while the orchestrator was down is answered: once will do.
+        if time.monotonic() - self._registered_at > self.heartbeat_interval_s:
+            logger.warning(
+                "%s: the orchestrator does not know us; registering again", self.worker_id
+            )
+            send(self.socket, self.register_message)
+            self._registered_at = time.monotonic()
 
     def send(self, message: Message) -> None:
         send(self.socket, message)
 
-    def heartbeat_if_due(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.heartbeat_interval_s
-            send(self.socket, Heartbeat(worker_id=self.worker_id, stats=self.stats()))
+    def progress(self) -> None:
+        """The loop finished a step. Stats are read here, in the loop that owns the engine, when
+        the heartbeat thread asks for them: once per heartbeat."""
+        self._progress_at = time.monotonic()
+        if self._stats_wanted.is_set():
+            self._stats_wanted.clear()
+            self._stats_snapshot = self.stats()
+            self._stats_taken.set()
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id,
+            stats=self._stats_snapshot,
+            progress_age_s=round(time.monotonic() - self._progress_at, 3),
+            peers_version=self.peers_version,
+        )
+
+    def start_heartbeats(self) -> None:
+        if self._heartbeats is None:
+            self._heartbeats = threading.Thread(
+                target=self._send_heartbeats, name=f"{self.worker_id}-heartbeats", daemon=True
+            )
+            self._heartbeats.start()
+
+    def _send_heartbeats(self) -> None:
+        """The heartbeat thread: its own socket (zmq sockets are not shared across threads)."""
+        sock = make_socket(self.context, zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeats".encode())
+        sock.connect(self.address)
+        try:
+            while not self._stop_heartbeats.is_set():
+                # Fresh stats from the loop if it finishes a step soon; a loop in a long step
+                # gets its old stats sent, with the age of its progress.
+                self._stats_taken.clear()
+                self._stats_wanted.set()
+                self._stats_taken.wait(STATS_WAIT_S)
+                send(sock, self.heartbeat())
+                while (message := recv(sock, "the orchestrator")) is not None:
+                    if isinstance(message, RegisterAgain):
+                        self._register_again.set()  # the main thread owns registration
+                self._stop_heartbeats.wait(self.heartbeat_interval_s)
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        """Stop the heartbeats (the orchestrator then marks the worker dead) and the socket."""
+        self._stop_heartbeats.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=5)
+        self.socket.close()
 
 
 class PushSockets:

@@ -79,7 +79,7 @@ class ContextWorker:
         if self.engine.has_unfinished():
             self.collect(self.run_engine_step())
         self.events.relay(self.engine, self.link)
-        self.link.heartbeat_if_due()
+        self.link.progress()
 
     def run_engine_step(self) -> list[TokenOutput]:
         """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
@@ -180,4 +180,4 @@ class ContextWorker:
         self.events.close()
         self.agent.close()
         self.push.close()
-        self.link.socket.close()
+        self.link.close()

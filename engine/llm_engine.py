@@ -102,6 +102,40 @@ class LLMEngine:
         prefix-cache hits. Returns (block table, num_valid tokens), or None when the pool is short
         (try again later). Call `pull_done` once the KV is in, or `pull_failed`.
         """
+        seqs = self._continued(
+            request_id, prompt_token_ids, params, first_tokens, num_cached_tokens, extra_keys
+        )
+        table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
+        if table is None:
+            return None
+        return table, seqs[0].num_computed_tokens
+
+    def add_continued_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_tokens: dict[int, int],
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> None:
+        """A request another worker prefilled whose KV cannot be read (its lease ended, its
+        source is gone): queue it to prefill here, prompt and first token, and go on decoding
+        from there; the output is what the pull would have given."""
+        for seq in self._continued(
+            request_id, prompt_token_ids, params, first_tokens, 0, extra_keys
+        ):
+            self.scheduler.add(seq)
+
+    def _continued(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_tokens: dict[int, int],
+        num_cached_tokens: int,
+        extra_keys: tuple[ExtraKey, ...],
+    ) -> list[Sequence]:
+        """The sequences of the unfinished choices, each holding its first token."""
         self._validate(request_id, prompt_token_ids, params)
         seqs = []
         for index, token_id in sorted(first_tokens.items()):
@@ -109,10 +143,7 @@ class LLMEngine:
             seq.append_token(token_id)
             seq.num_cached_prompt_tokens = num_cached_tokens
             seqs.append(seq)
-        table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
-        if table is None:
-            return None
-        return table, seqs[0].num_computed_tokens
+        return seqs
 
     def pull_done(self, request_id: str) -> None:
         lead = self.scheduler.pulling[request_id][0]

@@ -220,6 +220,7 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
 
 def count_tokens(body: CountTokensRequest, model: ModelInfo) -> int:
     rendered = render_chat(as_chat(body), model)
+    model.check_prompt_chars(len(rendered.prompt_text), "messages")
     return len(model.tokenizer.encode(rendered.prompt_text))
 
 

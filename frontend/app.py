@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ClusterConfig
 from common.errors import InvalidRequest, validation_location
-from common.protocol import Chunk, GenerateRequest, OutputOptions, encode_token_ids
+from common.protocol import Chunk, GenerateRequest, OutputOptions, encode, encode_token_ids
 from common.sampling_params import SamplingParams
 from frontend import anthropic, chat, completions, metrics
 from frontend.cluster_client import ClusterClient
@@ -75,6 +75,8 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             raise InvalidRequest(str(e), _param_of(str(e))) from None
         except msgspec.DecodeError as e:
             raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest("the body nests too deeply") from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model.name:
@@ -84,29 +86,48 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         """Tokenizing and template rendering run in a thread: the loop only orchestrates."""
         return await asyncio.to_thread(fn, *args)
 
+    async def translate(
+        fn: Callable[..., list[GenerateRequest]], *args: Any
+    ) -> list[GenerateRequest]:
+        """A request body to the cluster's messages, off the loop. Translation reads nothing but
+        the client's data, so whatever it trips over there is the client's 400, never a 500;
+        the messages are encoded once here so that what cannot cross the wire (an integer
+        beyond 64 bits) is found before the cluster or the open-request table sees it."""
+        try:
+            generates = await off_loop(fn, *args)
+            for generate in generates:
+                encode(generate)
+        except InvalidRequest:
+            raise
+        except (ValueError, OverflowError, RecursionError) as e:
+            raise InvalidRequest(f"the request cannot be served: {e}") from None
+        return generates
+
     async def create_completion(request: Request) -> Response:
         body = await decode_body(request, completions.CompletionRequest)
         check_model(body.model)
-        generates = await off_loop(completions.to_generate_requests, body, model, client.reply_to)
+        generates = await translate(completions.to_generate_requests, body, model, client.reply_to)
         return await serve(request, client, generates)
 
     async def create_chat_completion(request: Request) -> Response:
         body = await decode_body(request, chat.ChatCompletionRequest)
         check_model(body.model)
-        generate = await off_loop(
-            chat.to_generate_request,
-            body,
-            model,
-            client.reply_to,
-            config.frontend.allow_request_chat_template,
+        generates = await translate(
+            lambda: [
+                chat.to_generate_request(
+                    body, model, client.reply_to, config.frontend.allow_request_chat_template
+                )
+            ]
         )
-        return await serve(request, client, [generate])
+        return await serve(request, client, generates)
 
     async def create_message(request: Request) -> Response:
         body = await decode_body(request, anthropic.MessagesRequest)
         check_model(body.model)
-        generate = await off_loop(anthropic.to_generate_request, body, model, client.reply_to)
-        return await serve(request, client, [generate], media="anthropic")
+        generates = await translate(
+            lambda: [anthropic.to_generate_request(body, model, client.reply_to)]
+        )
+        return await serve(request, client, generates, media="anthropic")
 
     async def count_message_tokens(request: Request) -> Response:
         body = await decode_body(request, anthropic.CountTokensRequest)
@@ -142,6 +163,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             text = rendered.prompt_text
         else:
             text = body.prompt or ""
+        model.check_prompt_chars(len(text), "prompt" if body.messages is None else "messages")
         tokens = await off_loop(model.tokenizer.encode, text)
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len})
 
@@ -160,7 +182,10 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         ready = {w.role for w in info.workers if w.state == "ready"}
         missing = sorted(needed_roles - ready)
         if missing:
-            return error_response(503, f"no live {', '.join(missing)} worker", code="unhealthy")
+            stalled = [w.worker_id for w in info.workers if w.state == "stalled"]
+            detail = f" ({', '.join(stalled)} stalled)" if stalled else ""
+            message = f"no live {', '.join(missing)} worker{detail}"
+            return error_response(503, message, code="unhealthy")
         return Response(status_code=200)
 
     async def health_generate(request: Request) -> Response:

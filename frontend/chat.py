@@ -226,6 +226,7 @@ def to_generate_request(
         check(constraint, model.ll_tokenizer())
     rendered = render_chat(body, model)
     rendered = RenderedPrompt(rendered.template_text, rendered.template_text + plan.prompt_prefix)
+    model.check_prompt_chars(len(rendered.prompt_text), "messages")
     prompt = tokenizer.encode(rendered.prompt_text)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

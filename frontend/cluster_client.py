@@ -90,9 +90,10 @@ class ClusterClient:
         self.context.term()
 
     async def submit(self, request: GenerateRequest) -> asyncio.Queue[Event]:
+        frame = encode(request)  # first: a request that cannot be sent leaves no open entry
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.open[request.request_id] = queue
-        await async_send(self.dealer, request)
+        await self.dealer.send(frame)
         return queue
 
     def abort(self, request_id: str) -> None:

@@ -12,7 +12,7 @@ import msgspec
 from common.errors import InvalidRequest
 from common.guided import check
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
-from common.tokenizer import Tokenizer
+from common.sampling_params import MAX_N
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -69,8 +69,10 @@ def new_request_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def prompt_list(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[list[int], str]]:
-    """Every prompt as (token ids, text for echo)."""
+def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[int], str]]:
+    """Every prompt as (token ids, text for echo); ids are checked against the vocabulary and
+    text against the context's size before anything is decoded or tokenized."""
+    tokenizer = model.tokenizer
     if (body.prompt is None) == (body.prompt_token_ids_b64 is None):
         raise InvalidRequest("give exactly one of prompt and prompt_token_ids_b64", "prompt")
     if body.prompt_token_ids_b64 is not None:
@@ -78,16 +80,27 @@ def prompt_list(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[lis
             ids = decode_token_ids(body.prompt_token_ids_b64)
         except ValueError as e:
             raise InvalidRequest(f"prompt_token_ids_b64: {e}", "prompt_token_ids_b64") from None
+        _check_ids(ids, model, "prompt_token_ids_b64")
         return [(ids, tokenizer.decode(ids, skip_special_tokens=False))]
     prompt = body.prompt
+    texts: list[str] = []
     if isinstance(prompt, str):
-        return [(tokenizer.encode(prompt), prompt)]
+        texts = [prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        texts = prompt
+    if texts:
+        _check_count(len(texts), body.n)
+        for text in texts:
+            model.check_prompt_chars(len(text), "prompt")
+        return [(tokenizer.encode(text), text) for text in texts]
     assert isinstance(prompt, list)
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return [(tokenizer.encode(p), p) for p in prompt]
-    if prompt and all(_is_id(t) for t in prompt):
+    if prompt and all(_is_int(t) for t in prompt):
+        _check_ids(prompt, model, "prompt")
         return [(list(prompt), tokenizer.decode(prompt, skip_special_tokens=False))]
-    if prompt and all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+    if prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        _check_count(len(prompt), body.n)
+        for ids in prompt:
+            _check_ids(ids, model, "prompt")
         return [(list(p), tokenizer.decode(p, skip_special_tokens=False)) for p in prompt]
     raise InvalidRequest(
         "prompt must be a string, a list of strings, a list of token ids, or a list of lists of "
@@ -96,15 +109,34 @@ def prompt_list(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[lis
     )
 
 
-def _is_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ids(ids: list[int], model: ModelInfo, param: str) -> None:
+    if len(ids) > model.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+            f"{model.max_model_len}",
+            param,
+        )
+    if ids and not 0 <= min(ids) <= max(ids) < model.vocab_size:
+        raise InvalidRequest(f"prompt token ids must be in [0, {model.vocab_size})", param)
+
+
+def _check_count(num_prompts: int, n: int) -> None:
+    """One request may not take more of the cluster than MAX_N choices in all."""
+    if num_prompts * n > MAX_N:
+        raise InvalidRequest(
+            f"{num_prompts} prompts x n={n} is more than {MAX_N} choices in one request", "prompt"
+        )
 
 
 def to_generate_requests(
     body: CompletionRequest, model: ModelInfo, reply_to: str
 ) -> list[GenerateRequest]:
     """Validate and translate; raises InvalidRequest naming the parameter."""
-    tokenizer, vocab_size, max_model_len = model.tokenizer, model.vocab_size, model.max_model_len
+    vocab_size, max_model_len = model.vocab_size, model.max_model_len
     if body.suffix is not None:
         raise InvalidRequest("suffix is not supported", "suffix")
     if body.stream_options is not None and not body.stream:
@@ -117,7 +149,7 @@ def to_generate_requests(
     )
     if constraint is not None:
         check(constraint, model.ll_tokenizer())
-    prompts = prompt_list(body, tokenizer)
+    prompts = prompt_list(body, model)
     bias = logit_bias(body.logit_bias, vocab_size)
     stops = stop_list(body.stop)
     created = int(time.time())

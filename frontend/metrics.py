@@ -69,8 +69,20 @@ WORKER_FAMILIES: list[tuple[type, str, str, Callable[[WorkerInfo], float | None]
     (
         _G,
         "pdcluster_worker_up",
-        "1 while the worker heartbeats",
-        lambda w: float(w.state == "ready"),
+        "1 while the worker heartbeats (ready or stalled)",
+        lambda w: float(w.state != "dead"),
+    ),
+    (
+        _G,
+        "pdcluster_worker_stalled",
+        "1 while the worker heartbeats but its loop has not finished a step for the stall limit",
+        lambda w: float(w.state == "stalled"),
+    ),
+    (
+        _G,
+        "pdcluster_worker_progress_age_seconds",
+        "Seconds since the worker's loop last finished a step",
+        lambda w: w.progress_age_s,
     ),
     (
         _G,

@@ -13,6 +13,7 @@ import llguidance
 
 from common.builtin_models import builtin_model, resolve_model_dir
 from common.config import ClusterConfig
+from common.errors import InvalidRequest
 from common.guided import ll_tokenizer
 from common.parser_choice import tool_parser_for
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -30,7 +31,19 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     sampling_defaults: SamplingDefaults  # what omitted sampling fields mean
+    max_token_chars: int  # the longest vocabulary entry: no token covers more characters
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """A 400 before tokenizing for text that cannot fit the context whatever its tokens:
+        tokenizing megabytes only to refuse them would hold a core for seconds."""
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise InvalidRequest(
+                f"the prompt has {num_chars} characters; this model's context of "
+                f"{self.max_model_len} tokens holds at most {limit}",
+                param,
+            )
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         return ll_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
@@ -43,6 +56,7 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
     builtin = builtin_model(config.model)
     eos = hf_config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    tokenizer = load_tokenizer(model_dir)
     return ModelInfo(
         name=config.model,
         model_dir=model_dir,
@@ -50,11 +64,12 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         tool_parser=config.tool_parser
         or (builtin and builtin.tool_parser)
         or tool_parser_for(model_type),
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=tokenizer,
         max_model_len=int(hf_config["max_position_embeddings"]),
         vocab_size=int(hf_config["vocab_size"]),
         eos_token_ids=eos_ids,
         sampling_defaults=SamplingDefaults.of_model(model_dir)
         if config.frontend.sampling_defaults == "model"
         else SamplingDefaults(),
+        max_token_chars=tokenizer.max_token_chars(),
     )

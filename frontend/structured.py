@@ -48,7 +48,12 @@ def from_guided_fields(
     if response_format is not None and response_format.type != "text":
         specs.append(_response_format(response_format))
     if guided_json is not None:
-        schema = json.loads(guided_json) if isinstance(guided_json, str) else guided_json
+        try:
+            schema = json.loads(guided_json) if isinstance(guided_json, str) else guided_json
+        except ValueError as e:
+            raise InvalidRequest(f"guided_json is not JSON: {e}", "guided_json") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("guided_json must be a JSON schema object", "guided_json")
         specs.append(guided.json_schema(schema, "guided_json"))
     if guided_regex is not None:
         specs.append(guided.regex(guided_regex))

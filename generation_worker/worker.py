@@ -25,6 +25,7 @@ from common.protocol import (
     DecodeRequest,
     KVPool,
     Message,
+    PeersRequest,
     PrefillDone,
     Register,
     Registered,
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
 LEASE_MARGIN_S = 0.5  # a READ must finish this long before the source's lease ends
+MIN_READ_S = 1.0  # a waiting decode with less lease than margin + this is prefilled here instead
+PEERS_REQUEST_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -80,6 +83,8 @@ class GenerationWorker:
         self.kv_bytes_pulled = 0
         self.kv_pull_seconds = 0.0
         self.kv_pull_failures = 0
+        self.num_prefilled_here = 0  # handed-off requests whose KV was gone by their turn
+        self._peers_asked_at = 0.0
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
         register = Register(
@@ -113,7 +118,7 @@ class GenerationWorker:
             self.emit(self.run_engine_step())
         self.flush()
         self.events.relay(self.engine, self.link)
-        self.link.heartbeat_if_due()
+        self.link.progress()
 
     def run_engine_step(self) -> list[TokenOutput]:
         """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
@@ -180,13 +185,49 @@ class GenerationWorker:
         self.waiting.append(decode)
 
     def start_pulls(self) -> None:
-        while (
-            self.waiting
-            and len(self.pulls) + len(self.engine.scheduler.running) < self.max_num_seqs
-        ):
-            if not self.start_pull(self.waiting[0]):
-                return  # no free blocks now; retry next step
-            self.waiting.popleft()
+        """Post READs, in arrival order, while decode slots and blocks allow. A waiting decode
+        whose lease runs out first is prefilled here (its KV is about to be freed): more
+        requests than slots all complete. One whose source this worker does not know waits
+        while the peer set is asked for again."""
+        still_waiting: deque[DecodeRequest] = deque()
+        blocked = False
+        for decode in self.waiting:
+            assert decode.prefill is not None
+            if lease_left_s(decode.prefill) < LEASE_MARGIN_S + MIN_READ_S:
+                self.prefill_here(decode)
+            elif (
+                blocked or len(self.pulls) + len(self.engine.scheduler.running) >= self.max_num_seqs
+            ):
+                still_waiting.append(decode)
+            elif decode.prefill.agent_name not in self.agent.peer_names:
+                self.ask_for_peers()
+                still_waiting.append(decode)
+            elif not self.start_pull(decode):
+                blocked = True  # no free blocks now; retry next step, in order
+                still_waiting.append(decode)
+        self.waiting = still_waiting
+
+    def prefill_here(self, decode: DecodeRequest) -> None:
+        request, prefill = decode.request, decode.prefill
+        assert prefill is not None
+        logger.info("%s: its KV on %s is not readable in time; prefilling it here",
+                    request.request_id, prefill.agent_name)  # fmt: skip
+        self.release_source(decode)
+        self.num_prefilled_here += 1
+        first_tokens = {d.index: d.token_ids[0] for d in prefill.first if d.finish_reason is None}
+        try:
+            prompt = decode_token_ids(request.prompt_token_ids_b64)
+            self.engine.add_continued_request(
+                request.request_id, prompt, request.sampling, first_tokens, request.extra_keys
+            )
+        except (InvalidRequest, ValueError) as e:
+            self.fail(self.active[request.request_id], 400, str(e), getattr(e, "param", "prompt"))
+
+    def ask_for_peers(self) -> None:
+        now = time.monotonic()
+        if now - self._peers_asked_at >= PEERS_REQUEST_INTERVAL_S:
+            self._peers_asked_at = now
+            self.link.send(PeersRequest(worker_id=self.worker_id))
 
     def start_pull(self, decode: DecodeRequest) -> bool:
         """Allocate blocks and post the READ; False (nothing changed) when blocks are short."""
@@ -235,13 +276,10 @@ class GenerationWorker:
     def read_timeout_s(self, prefill: PrefillDone) -> float:
         """How long a READ may take: never past the source's lease (with a margin), since the
         blocks may be reused after it. Raises when the lease is (nearly) over already."""
-        timeout_s = self.config.transfer.pull_timeout_seconds
-        if prefill.lease_expires_at:
-            left_s = prefill.lease_expires_at - time.time() - LEASE_MARGIN_S
-            if left_s <= 0:
-                raise KVTransferError("the context worker's lease ran out before the read")
-            timeout_s = min(timeout_s, left_s)
-        return timeout_s
+        left_s = lease_left_s(prefill) - LEASE_MARGIN_S
+        if left_s <= 0:
+            raise KVTransferError("the context worker's lease ran out before the read")
+        return min(self.config.transfer.pull_timeout_seconds, left_s)
 
     def settle_pulls(self) -> None:
         for request_id, pull in list(self.pulls.items()):
@@ -390,4 +428,9 @@ class GenerationWorker:
         self.events.close()
         self.agent.close()
         self.push.close()
-        self.link.socket.close()
+        self.link.close()
+
+
+def lease_left_s(prefill: PrefillDone) -> float:
+    """Seconds until the context worker may reuse the blocks (no lease: unbounded)."""
+    return prefill.lease_expires_at - time.time() if prefill.lease_expires_at else float("inf")

@@ -35,6 +35,7 @@ from common.protocol import (
     KVEvents,
     KVEventsDrained,
     Message,
+    PeersRequest,
     PrefillDone,
     PrefillRequest,
     Refused,
@@ -90,7 +91,9 @@ class Orchestrator:
     def __init__(self, config: ClusterConfig, address: str = "") -> None:
         self.config = config
         self.address = address
-        self.registry = Registry(config.orchestrator.worker_timeout_seconds)
+        self.registry = Registry(
+            config.orchestrator.worker_timeout_seconds, config.orchestrator.stall_timeout_seconds
+        )
         self.prefix_index = PrefixIndex()  # fed by the workers' KV events
         self.kv_events = KVEventLog()
         block_size = config.kv_cache.block_size
@@ -99,6 +102,8 @@ class Orchestrator:
             config.orchestrator.router, self.prefix_index, block_size
         )
         self.requests: dict[str, RequestRecord] = {}
+        self.peers_version = 0
+        self._peer_names: tuple[str, ...] = ()  # the agents `peers_version` lists
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -115,8 +120,9 @@ class Orchestrator:
         elif isinstance(message, Abort):
             self.abort(message.request_id, out)
         elif isinstance(message, Heartbeat):
-            if not self.registry.heartbeat(message.worker_id, message.stats, now):
-                out.append((sender, RegisterAgain()))
+            self.on_heartbeat(sender, message, now, out)
+        elif isinstance(message, PeersRequest):
+            out.append((message.worker_id.encode(), self.peers()))
         elif isinstance(message, Register):
             self.on_register(sender, message, now, out)
         elif isinstance(message, ClusterInfoRequest):
@@ -127,6 +133,7 @@ class Orchestrator:
             out.append((sender, KVEventsDrained(events_json=self.kv_events.drain())))
         else:
             logger.warning("ignored a %s from %r", type(message).__name__, sender)
+        self.update_peers(out)
         return out
 
     def tick(self, now: float) -> Outbox:
@@ -141,6 +148,7 @@ class Orchestrator:
                 now - worker.last_seen,
             )
             self.worker_lost(worker, out)
+        self.update_peers(out)
         return out
 
     # --- registration -----------------------------------------------------------------------------
@@ -163,8 +171,13 @@ class Orchestrator:
             self.prefix_index.cleared(message.worker_id)  # a new process starts with no cache
             self.kv_events.created(message.worker_id, message.num_blocks)
         out.append((sender, self.peers()))
-        if message.role in ("context", "postproc"):
-            self.broadcast_peers(out, skip=message.worker_id)
+
+    def on_heartbeat(self, sender: bytes, message: Heartbeat, now: float, out: Outbox) -> None:
+        worker = self.registry.heartbeat(message, now)
+        if worker is None:
+            out.append((sender, RegisterAgain()))  # to the heartbeat socket: the worker's thread
+        elif worker.role == "generation" and message.peers_version != self.peers_version:
+            out.append((worker.worker_id.encode(), self.peers()))  # a lost or missed update
 
     def on_kv_events(self, message: KVEvents) -> None:
         """Feed the router's index and the /kv_cache_events queue, in event order."""
@@ -181,14 +194,20 @@ class Orchestrator:
                 index.cleared(worker_id)
 
     def peers(self) -> Registered:
-        addresses = [w.address for w in self.registry.ready("postproc")]
-        return Registered(peers=self.registry.kv_pools(), postproc_addresses=addresses)
+        return Registered(peers=self.registry.kv_pools(), peers_version=self.peers_version)
 
-    def broadcast_peers(self, out: Outbox, skip: str = "") -> None:
+    def update_peers(self, out: Outbox) -> None:
+        """After every message and tick: when the live context workers changed (one registered,
+        restarted, died or came back), a new version goes to every live generation worker.
+        Heartbeats carry the version each one applied, so a lost update is sent again."""
+        names = tuple(pool.agent_name for pool in self.registry.kv_pools())
+        if names == self._peer_names:
+            return
+        self._peer_names = names
+        self.peers_version += 1
         update = self.peers()
-        for worker in self.registry.ready("generation"):
-            if worker.worker_id != skip:
-                out.append((worker.worker_id.encode(), update))
+        for worker in self.registry.live("generation"):
+            out.append((worker.worker_id.encode(), update))
 
     def cluster_info(self, now: float) -> ClusterInfo:
         me = WorkerInfo(
@@ -240,14 +259,14 @@ class Orchestrator:
             return True
         if len(record.prompt_token_ids) <= self.config.orchestrator.max_local_prefill_length:
             return True
-        if not self.registry.ready("context"):
+        if not self.registry.routable("context"):
             logger.warning("%s: no context worker is up; prefilling on a generation worker",
                            record.request_id)  # fmt: skip
             return True
         return False
 
     def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
-        workers = self.registry.ready("context")
+        workers = self.registry.routable("context")
         worker = self.context_router.pick(workers, self.hashes(record))
         record.state = State.PREFILLING
         record.prefill_attempts += 1
@@ -277,7 +296,7 @@ class Orchestrator:
             )
 
     def start_decode(self, record: RequestRecord, prefill: PrefillDone | None, out: Outbox) -> None:
-        workers = self.registry.ready("generation")
+        workers = self.registry.routable("generation")
         if not workers:
             failed = self.failure(record.request_id, 503, "no generation worker is up")
             self.fail(record.request_id, failed, out)
@@ -359,8 +378,6 @@ class Orchestrator:
         worker.request_ids.clear()
         worker.active_tokens = 0
         self.prefix_index.forget(worker.worker_id)
-        if worker.role in ("context", "postproc"):
-            self.broadcast_peers(out)
 
     @staticmethod
     def touches(record: RequestRecord, worker: WorkerRecord) -> bool:

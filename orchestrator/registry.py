@@ -1,18 +1,27 @@
 """The workers the orchestrator knows: who they are, where they listen, how loaded, whether alive.
 
-A worker is `ready` from its Register until its heartbeats stop for `worker_timeout_s`, then
-`dead`; a heartbeat from a dead worker (it was only slow) makes it ready again. A restarted
-worker registers under its old id and replaces its record.
+    ready ──heartbeat says its loop has not finished a step for stall_timeout_s──▶ stalled
+      ▲ ◀──────────────────────────── a heartbeat with recent progress ───────────┘
+      └── any heartbeat ◀── dead ◀── no heartbeat for worker_timeout_s (from ready or stalled)
+
+Heartbeats come from a thread of their own (common/worker_link.py), so `dead` means the process
+is stopped, gone or wedged, never merely busy; `stalled` means alive but not progressing: it
+keeps its requests, and new work goes to ready workers first. A restarted worker registers
+under its old id and replaces its record.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from common.protocol import KVPool, Register, WorkerInfo, WorkerStats
+from common.protocol import Heartbeat, KVPool, Register, WorkerInfo, WorkerStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -24,7 +33,8 @@ class WorkerRecord:
     kv_pool: KVPool | None
     last_seen: float
     events_address: str = ""
-    state: str = "ready"  # ready | dead
+    state: str = "ready"  # ready | stalled | dead
+    progress_age_s: float = 0.0  # from its last heartbeat
     stats: WorkerStats = field(default_factory=WorkerStats)
     active_tokens: int = 0  # prompt + max_tokens of the requests routed here and not yet ended
     request_ids: set[str] = field(default_factory=set)
@@ -32,6 +42,10 @@ class WorkerRecord:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "dead"
 
     def info(self, now: float) -> WorkerInfo:
         stats = msgspec.structs.asdict(self.stats)
@@ -45,12 +59,14 @@ class WorkerRecord:
             state=self.state,
             events_address=self.events_address,
             last_heartbeat_s=round(now - self.last_seen, 3),
+            progress_age_s=self.progress_age_s,
         )
 
 
 class Registry:
-    def __init__(self, worker_timeout_s: float) -> None:
+    def __init__(self, worker_timeout_s: float, stall_timeout_s: float) -> None:
         self.worker_timeout_s = worker_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
 
     def register(self, message: Register, now: float) -> WorkerRecord | None:
@@ -67,40 +83,59 @@ class Registry:
         )
         return old
 
-    def heartbeat(self, worker_id: str, stats: WorkerStats | None, now: float) -> bool:
-        """Record a heartbeat; False when the worker is unknown (it must register again)."""
-        worker = self.workers.get(worker_id)
+    def heartbeat(self, message: Heartbeat, now: float) -> WorkerRecord | None:
+        """Record a heartbeat and the state it implies; None when the worker is unknown (it
+        must register again)."""
+        worker = self.workers.get(message.worker_id)
         if worker is None:
-            return False
+            return None
         worker.last_seen = now
-        worker.state = "ready"
-        if stats is not None:
-            worker.stats = stats
-        return True
+        worker.progress_age_s = message.progress_age_s
+        state = "stalled" if message.progress_age_s > self.stall_timeout_s else "ready"
+        if state != worker.state:
+            log = logger.warning if state == "stalled" else logger.info
+            log("%s %s is %s (its loop last finished a step %.1f s ago)", worker.role,
+                worker.worker_id, state, message.progress_age_s)  # fmt: skip
+            worker.state = state
+        if message.stats is not None:
+            worker.stats = message.stats
+        return worker
 
     def expire(self, now: float) -> list[WorkerRecord]:
         """Mark workers silent for too long as dead; returns the newly dead."""
         dead = [
             w
             for w in self.workers.values()
-            if w.ready and now - w.last_seen > self.worker_timeout_s
+            if w.alive and now - w.last_seen > self.worker_timeout_s
         ]
         for worker in dead:
             worker.state = "dead"
         return dead
 
     def ready(self, role: str) -> list[WorkerRecord]:
+        return self._with_role(role, lambda w: w.ready)
+
+    def live(self, role: str) -> list[WorkerRecord]:
+        """Ready or stalled: alive, so still a peer and still holding its requests."""
+        return self._with_role(role, lambda w: w.alive)
+
+    def routable(self, role: str) -> list[WorkerRecord]:
+        """Where new work goes: the ready workers, or, when every live one is stalled, those
+        (a request queued on a slow worker beats a 503)."""
+        return self.ready(role) or self.live(role)
+
+    def _with_role(self, role: str, keep: Callable[[WorkerRecord], bool]) -> list[WorkerRecord]:
         return sorted(
-            (w for w in self.workers.values() if w.role == role and w.ready),
+            (w for w in self.workers.values() if w.role == role and keep(w)),
             key=lambda w: w.worker_id,
         )
 
     def postproc_for(self, request_id: str) -> WorkerRecord | None:
-        """A stable choice (crc32 of the id, not Python's salted hash) over the live pool."""
-        pool = self.ready("postproc")
+        """A stable choice (crc32 of the id, not Python's salted hash) over the routable pool."""
+        pool = self.routable("postproc")
         if not pool:
             return None
         return pool[zlib.crc32(request_id.encode()) % len(pool)]
 
     def kv_pools(self) -> list[KVPool]:
-        return [w.kv_pool for w in self.ready("context") if w.kv_pool is not None]
+        return [w.kv_pool for w in self.live("context") if w.kv_pool is not None]

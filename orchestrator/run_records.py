@@ -56,6 +56,7 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     try:
-        return b"orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc: trust the signal check
+    return not cmdline or b"orchestrator" in cmdline  # empty while a process execs

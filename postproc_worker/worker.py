@@ -70,7 +70,7 @@ class PostprocWorker:
         while (message := recv(self.tokens, "a worker")) is not None:
             if isinstance(message, TokenBatch):
                 self.process(message)
-        self.link.heartbeat_if_due()
+        self.link.progress()
 
     def process(self, batch: TokenBatch) -> None:
         for request in batch.first:
@@ -115,4 +115,4 @@ class PostprocWorker:
     def close(self) -> None:
         self.push.close()
         self.tokens.close()
-        self.link.socket.close()
+        self.link.close()

@@ -185,3 +185,49 @@ def test_bad_bodies_are_4xx_in_the_one_shape(cluster: Cluster) -> None:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert_clean(cluster)
+
+
+def test_strange_values_are_400s_that_leave_nothing_open(cluster: Cluster) -> None:
+    """The integrity issue's seventh case: each of these was a 500, and the integers beyond 64
+    bits also left an entry in the frontend's open-request table for good."""
+    huge = 2**70
+    b64_negative = "/////wEAAAA="  # int32 -1, then 1
+    deep = '{"a": ' * 100_000 + "1" + "}" * 100_000
+    completions = f"{cluster.base_url}/completions"
+    chat = f"{cluster.base_url}/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        (completions, {"prompt": "x", "seed": huge}),
+        (completions, {"prompt": "x", "top_k": huge}),
+        (completions, {"prompt": "x", "priority": huge}),
+        (completions, {"prompt": [1, huge]}),
+        (completions, {"prompt": [1, -3]}),
+        (completions, {"prompt_token_ids_b64": b64_negative}),
+        (completions, {"prompt": "x", "guided_json": "{not json"}),
+        (completions, {"prompt": ["x"] * 4096}),  # one request must not take every slot
+        (chat, {"messages": user, "seed": -huge}),
+        (chat, {"messages": user, "guided_json": "[1, 2"}),
+    ]
+    for url, fields in cases:
+        response = httpx.post(url, json={"model": MODEL, **fields}, timeout=30)
+        assert response.status_code == 400, (fields, response.text[:300])
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], fields
+    nested = f'{{"model": "{MODEL}", "prompt": "x", "guided_json": {deep}}}'.encode()
+    response = httpx.post(completions, content=nested, timeout=30,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400 and "nests too deeply" in response.text
+    assert_clean(cluster)  # the frontend's heartbeat counts its open requests
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(cluster: Cluster) -> None:
+    """Five megabytes under the body cap: a 400 at once, other requests not held up."""
+    text = "many words in a very long prompt " * 150_000
+    started = time.monotonic()
+    response = httpx.post(
+        f"{cluster.base_url}/completions",
+        json={"model": MODEL, "prompt": text, "max_tokens": 1},
+        timeout=30,
+    )
+    assert response.status_code == 400 and "characters" in response.json()["error"]["message"]
+    assert time.monotonic() - started < 2.0  # tokenizing it would take seconds

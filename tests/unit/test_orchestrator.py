@@ -18,6 +18,7 @@ from common.protocol import (
     Heartbeat,
     KVPool,
     OutputOptions,
+    PeersRequest,
     PrefillDone,
     PrefillRequest,
     Refused,
@@ -116,6 +117,61 @@ def test_generation_workers_learn_context_pools_at_registration_and_on_change() 
     assert [p.agent_name for p in update.peers] == ["ctx-0-agent"]
     _, reply = only(register(orch, "gen-1", "generation"))
     assert [p.agent_name for p in reply.peers] == ["ctx-0-agent"]
+
+
+def updates_for(out: Outbox, worker_id: bytes) -> list[Registered]:
+    return [m for to, m in out if to == worker_id and isinstance(m, Registered)]
+
+
+def heartbeat(orch: Orchestrator, worker_id: str, now: float, **fields: object) -> Outbox:
+    return orch.handle(
+        f"{worker_id}/heartbeats".encode(), Heartbeat(worker_id=worker_id, **fields), now
+    )
+
+
+def test_a_context_worker_back_from_dead_is_sent_to_the_generation_workers_again() -> None:
+    """The wedge of the integrity issue: a context worker silent past the timeout was dropped
+    from the generation workers' peers, and its next heartbeat made it ready with nobody told:
+    every request then failed on an unknown peer while /health said 200."""
+    orch = cluster()
+    version = orch.peers_version
+    heartbeat(orch, "gen-0", 4.0, peers_version=version)
+    heartbeat(orch, "pp-0", 4.0)
+    (dropped,) = updates_for(orch.tick(6.0), b"gen-0")  # ctx-0 silent for 6 s: dead
+    assert dropped.peers == [] and dropped.peers_version == version + 1
+    (back,) = updates_for(heartbeat(orch, "ctx-0", 7.0), b"gen-0")  # it was only slow
+    assert [p.agent_name for p in back.peers] == ["ctx-0-agent"]
+    assert back.peers_version == version + 2 and orch.registry.workers["ctx-0"].state == "ready"
+
+
+def test_a_generation_worker_behind_on_peers_is_sent_them_again() -> None:
+    orch = cluster()
+    (update,) = updates_for(heartbeat(orch, "gen-0", 1.0, peers_version=0), b"gen-0")
+    assert update.peers_version == orch.peers_version  # to its main socket, not the heartbeats'
+    assert (
+        updates_for(heartbeat(orch, "gen-0", 1.5, peers_version=orch.peers_version), b"gen-0") == []
+    )
+    asked = orch.handle(b"gen-0", PeersRequest(worker_id="gen-0"), 2.0)
+    assert [p.agent_name for p in updates_for(asked, b"gen-0")[0].peers] == ["ctx-0-agent"]
+
+
+def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
+    orch = cluster(contexts=2)
+    stall_s = orch.config.orchestrator.stall_timeout_seconds
+    heartbeat(orch, "ctx-0", 1.0, progress_age_s=stall_s + 1)  # alive, its loop stuck
+    assert orch.registry.workers["ctx-0"].state == "stalled"
+    for i in range(4):
+        to, _ = only(orch.handle(FRONTEND, generate(f"r{i}"), 1.0))
+        assert to == b"ctx-1"
+    _, info = only(orch.handle(b"cli", ClusterInfoRequest(), 1.0))
+    stalled = [w for w in info.workers if w.worker_id == "ctx-0"][0]
+    assert stalled.state == "stalled" and stalled.progress_age_s == stall_s + 1
+    heartbeat(orch, "ctx-1", 1.0, progress_age_s=stall_s + 1)  # every one stalled: still served
+    to, message = only(orch.handle(FRONTEND, generate("r9"), 1.0))
+    assert isinstance(message, PrefillRequest)
+    heartbeat(orch, "ctx-0", 2.0, progress_age_s=0.1)
+    assert orch.registry.workers["ctx-0"].state == "ready"
+    assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
 
 
 def test_heartbeat_from_an_unknown_worker_asks_it_to_register_again() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -60,12 +61,12 @@ def answer_registration(router: zmq.Socket, reply: object) -> threading.Thread:
 
 def test_registration_returns_the_orchestrators_answer(router) -> None:
     sock, address = router
-    thread = answer_registration(sock, Registered(postproc_addresses=["tcp://127.0.0.1:1"]))
+    thread = answer_registration(sock, Registered(peers_version=7))
     link = make_link(address)
     registered = link.register(threading.Event(), timeout_s=10)
     thread.join(10)
-    assert registered == Registered(postproc_addresses=["tcp://127.0.0.1:1"])
-    link.socket.close()
+    assert registered == Registered(peers_version=7) and link.peers_version == 7
+    link.close()
 
 
 def test_refused_registration_exits_with_the_no_restart_code(router, caplog) -> None:
@@ -80,19 +81,60 @@ def test_refused_registration_exits_with_the_no_restart_code(router, caplog) -> 
     link.socket.close()
 
 
+def registered_link(sock: zmq.Socket, address: str) -> OrchestratorLink:
+    thread = answer_registration(sock, Registered(peers_version=3))
+    link = make_link(address)
+    assert link.register(threading.Event(), timeout_s=10) == Registered(peers_version=3)
+    thread.join(10)
+    return link
+
+
+def next_heartbeat(sock: zmq.Socket) -> tuple[bytes, Heartbeat]:
+    while True:
+        assert sock.poll(TIMEOUT_MS)
+        identity, frame = sock.recv_multipart()
+        message = decode(frame)
+        if isinstance(message, Heartbeat):
+            return identity, message
+
+
+def test_heartbeats_go_on_while_the_loop_is_busy(router) -> None:
+    """A long engine step is not death: the heartbeat thread keeps sending, and says how long
+    ago the loop last finished a step."""
+    sock, address = router
+    link = registered_link(sock, address)
+    link.progress()
+    time.sleep(0.5)  # the main thread is "in a step": no progress() call
+    identity, heartbeat = next_heartbeat(sock)
+    while heartbeat.progress_age_s < 0.4:
+        identity, heartbeat = next_heartbeat(sock)
+    assert identity == b"gen-0/heartbeats" and heartbeat.worker_id == "gen-0"
+    assert heartbeat.peers_version == 3
+    link.progress()
+    while heartbeat.progress_age_s >= 0.4:
+        _, heartbeat = next_heartbeat(sock)
+    link.close()
+    sock.setsockopt(zmq.RCVTIMEO, 300)
+    while sock.poll(300):  # drain what was in flight; then nothing more comes
+        sock.recv_multipart()
+    assert not sock.poll(300)
+
+
 def test_register_again_resends_the_registration(router) -> None:
     sock, address = router
-    link = make_link(address)
-    link.heartbeat_if_due()
-    assert sock.poll(TIMEOUT_MS)
-    identity, frame = sock.recv_multipart()
-    assert isinstance(decode(frame), Heartbeat)
-    send_to(sock, identity, RegisterAgain())
-    assert link.socket.poll(TIMEOUT_MS)
-    assert link.receive() == []  # handled inside the link
-    assert sock.poll(TIMEOUT_MS)
-    assert isinstance(decode(sock.recv_multipart()[1]), Register)
-    link.socket.close()
+    link = registered_link(sock, address)
+    identity, _ = next_heartbeat(sock)
+    send_to(sock, identity, RegisterAgain())  # answered to the heartbeat thread's socket
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while True:  # the main loop's receive() registers again once the thread has passed it on
+        assert time.monotonic() < deadline
+        assert link.receive() == []
+        if sock.poll(50):
+            identity, frame = sock.recv_multipart()
+            if isinstance(decode(frame), Register):
+                break
+    assert identity == b"gen-0"  # from the main socket
+    link.close()
 
 
 def test_malformed_frames_are_dropped_with_a_log_line(router, caplog) -> None:
