@@ -35,6 +35,9 @@ class FrontendConfig(_Section, frozen=True):
     # What an omitted temperature / top_p / top_k / min_p / repetition_penalty means: the model's
     # generation_config.json where it sets one (as vLLM), or always OpenAI's defaults.
     sampling_defaults: Literal["model", "openai"] = "model"
+    # A request not finished this long after it arrived is aborted everywhere and answered with a
+    # 504 (or, once streaming, a final error event): no request waits on a stuck part for good.
+    request_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
 class OrchestratorConfig(_Section, frozen=True):

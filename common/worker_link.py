@@ -43,6 +43,7 @@ from common.transport import make_socket, recv, send
 logger = logging.getLogger(__name__)
 
 EXIT_REFUSED = 2
+EXIT_ENGINE_FAULT = 3  # an engine step raised: the supervisor restarts the worker
 STATS_WAIT_S = 0.05  # how long a heartbeat waits for the loop to read fresh stats
 
 
@@ -173,12 +174,13 @@ class OrchestratorLink:
         finally:
             sock.close()
 
-    def close(self) -> None:
-        """Stop the heartbeats (the orchestrator then marks the worker dead) and the socket."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop the heartbeats (the orchestrator then marks the worker dead) and the socket,
+        which delivers what it still queues for up to `linger_ms`."""
         self._stop_heartbeats.set()
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=5)
-        self.socket.close()
+        self.socket.close(linger=linger_ms)
 
 
 class PushSockets:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import zmq
@@ -29,7 +30,7 @@ from common.protocol import (
     WorkerStats,
     decode_token_ids,
 )
-from common.worker_link import OrchestratorLink, PushSockets
+from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
 from context_worker.leases import LeaseTable
 from engine.llm_engine import TokenOutput
 from engine.serving import (
@@ -42,6 +43,7 @@ from engine.serving import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5  # NIXL notifications do not wake a zmq poll: bound their latency
+FAULT_LINGER_MS = 2000  # an exiting worker's last messages get this long to go out
 
 
 class ContextWorker:
@@ -82,18 +84,19 @@ class ContextWorker:
         self.link.progress()
 
     def run_engine_step(self) -> list[TokenOutput]:
-        """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
-        never the client's 400) and their blocks are freed, and the worker carries on."""
+        """One engine step. One that raises leaves the engine's state untrustworthy: every
+        prefill in progress fails now with a 500 and the process exits for the supervisor to
+        start a clean one (the seed's executor-fault boundary); a reader of one of its leases
+        finds its source gone (transfer.recompute_on_failure: it prefills the prompt itself)."""
         try:
             return self.engine.step()
         except Exception:
-            logger.exception(
-                "engine step failed; failing the %d requests in it", len(self.prefilling)
-            )
+            logger.exception("engine step failed: failing %d prefills; exiting to be restarted",
+                             len(self.prefilling))  # fmt: skip
             for request_id in list(self.prefilling):
-                self.abort(request_id)
-                self.fail(request_id, "the context worker failed on this request", None, 500)
-            return []
+                self.fail(request_id, "the context worker failed and is restarting", None, 500)
+            self.link.close(linger_ms=FAULT_LINGER_MS)  # the failures must leave first
+            sys.exit(EXIT_ENGINE_FAULT)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):

@@ -61,6 +61,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         {"context"} if config.mode == "disaggregated" else set()
     )
     max_body = config.frontend.max_body_bytes
+    request_timeout_s = config.frontend.request_timeout_seconds
 
     async def decode_body(request: Request, schema: type[T]) -> T:
         declared = request.headers.get("content-length")
@@ -107,7 +108,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         body = await decode_body(request, completions.CompletionRequest)
         check_model(body.model)
         generates = await translate(completions.to_generate_requests, body, model, client.reply_to)
-        return await serve(request, client, generates)
+        return await serve(request, client, generates, timeout_s=request_timeout_s)
 
     async def create_chat_completion(request: Request) -> Response:
         body = await decode_body(request, chat.ChatCompletionRequest)
@@ -119,7 +120,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
                 )
             ]
         )
-        return await serve(request, client, generates)
+        return await serve(request, client, generates, timeout_s=request_timeout_s)
 
     async def create_message(request: Request) -> Response:
         body = await decode_body(request, anthropic.MessagesRequest)
@@ -127,7 +128,9 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         generates = await translate(
             lambda: [anthropic.to_generate_request(body, model, client.reply_to)]
         )
-        return await serve(request, client, generates, media="anthropic")
+        return await serve(
+            request, client, generates, media="anthropic", timeout_s=request_timeout_s
+        )
 
     async def count_message_tokens(request: Request) -> Response:
         body = await decode_body(request, anthropic.CountTokensRequest)

@@ -7,7 +7,8 @@ the streams are interleaved as they come; only the endings are merged: one usage
 and one [DONE]. Non-streaming bodies are merged choice by choice.
 
 The client going away before its answer aborts every sub-request (the blocks are freed on every
-worker); so does a failure of any one of them.
+worker); so does a failure of any one of them, and so does the request's deadline
+(`frontend.request_timeout_seconds`): a 504 before the first bytes, a final error event after.
 """
 
 from __future__ import annotations
@@ -70,14 +71,29 @@ def error_frame(event: Event, media: str) -> bytes:
     return b"data: " + body + b"\n\n" + SSE_DONE
 
 
+def timed_out(request_id: str, timeout_s: float) -> RequestFailed:
+    message = (
+        f"the request did not finish within {timeout_s:g} s (frontend.request_timeout_seconds)"
+    )
+    return RequestFailed(request_id=request_id, status_code=504, message=message, code="timeout")
+
+
 async def serve(
-    request: Request, client: ClusterClient, generates: list[GenerateRequest], media: str = "openai"
+    request: Request,
+    client: ClusterClient,
+    generates: list[GenerateRequest],
+    media: str = "openai",
+    timeout_s: float = 600.0,
 ) -> Response:
     """Submit, wait for the first events, and answer: an HTTP error, a body, or a stream."""
     ids = [g.request_id for g in generates]
     started = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
     queues = [await client.submit(g) for g in generates]
-    firsts = await _first_events(queues, request)
+    try:
+        firsts = await _first_events(queues, request, deadline)
+    except TimeoutError:
+        firsts = [timed_out(ids[0], timeout_s)]
     if firsts is None:  # the client left before anything came back
         for request_id in ids:
             client.abort(request_id)
@@ -98,24 +114,31 @@ async def serve(
         metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False)
         return Response(body, media_type="application/json")
     return StreamingResponse(
-        _relay(client, ids, chunks, queues, media, started, ttft_s),
+        _relay(client, ids, chunks, queues, media, started, ttft_s, deadline, timeout_s),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
 
 
-async def _first_events(queues: list[asyncio.Queue[Event]], request: Request) -> list[Event] | None:
-    """Each queue's first event, or None if the client disconnects first."""
+async def _first_events(
+    queues: list[asyncio.Queue[Event]], request: Request, deadline: float
+) -> list[Event] | None:
+    """Each queue's first event, or None if the client disconnects first; TimeoutError at the
+    deadline."""
     gather: asyncio.Future[list[Event]] = asyncio.ensure_future(
         asyncio.gather(*(q.get() for q in queues))
     )
     disconnect: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
     waiting: set[asyncio.Future[Any]] = {gather, disconnect}
-    done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    done, pending = await asyncio.wait(
+        waiting, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+    )
     for task in pending:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task  # retrieved, so a client that left is not logged as an error
+    if not done:
+        raise TimeoutError
     return gather.result() if gather in done else None
 
 
@@ -132,9 +155,11 @@ async def _relay(
     media: str,
     started: float,
     ttft_s: float,
+    deadline: float,
+    timeout_s: float,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes until every sub-request is done. A failure sends a final error frame; a client
-    that leaves (the generator is closed) aborts what is still running."""
+    """SSE bytes until every sub-request is done. A failure, or the deadline, sends a final
+    error frame; a client that leaves (the generator is closed) aborts what is still running."""
     open_ids = set(ids)
     finals: list[bytes] = []
     endings: list[Chunk] = []
@@ -145,7 +170,13 @@ async def _relay(
     ]
     try:
         while open_ids:
-            request_id, event = await merged.get()
+            try:
+                request_id, event = await asyncio.wait_for(
+                    merged.get(), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                yield error_frame(timed_out(ids[0], timeout_s), media)
+                return
             if failure_response(event) is not None:
                 yield error_frame(event, media)
                 return

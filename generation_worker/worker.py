@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from common.protocol import (
     WorkerStats,
     decode_token_ids,
 )
-from common.worker_link import OrchestratorLink, PushSockets
+from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
 from engine.kv_transfer import KVTransferError
 from engine.llm_engine import TokenOutput
 from engine.serving import (
@@ -53,6 +54,7 @@ IDLE_POLL_MS = 5
 LEASE_MARGIN_S = 0.5  # a READ must finish this long before the source's lease ends
 MIN_READ_S = 1.0  # a waiting decode with less lease than margin + this is prefilled here instead
 PEERS_REQUEST_INTERVAL_S = 1.0
+FAULT_LINGER_MS = 2000  # an exiting worker's last messages get this long to go out
 
 
 @dataclass(slots=True)
@@ -121,22 +123,22 @@ class GenerationWorker:
         self.link.progress()
 
     def run_engine_step(self) -> list[TokenOutput]:
-        """One engine step; if it raises, the batch's requests fail with a 500 (a server fault,
-        never the client's 400) and their blocks are freed, and the worker carries on."""
+        """One engine step. One that raises leaves the engine's state (block tables, the batch,
+        READs into its blocks) untrustworthy: every request this worker holds fails now with a
+        500, and the process exits for the supervisor to start a clean one (the seed's
+        executor-fault boundary). A request's own bad input is refused at admission instead,
+        failing only that request."""
         try:
             return self.engine.step()
         except Exception:
-            running = [
-                a
-                for a in self.active.values()
-                if a.request_id not in self.pulls
-                and self.engine.scheduler.has_request(a.request_id)
-            ]
-            logger.exception("engine step failed; failing the %d requests in it", len(running))
-            for active in running:
-                message = "the generation worker failed on this request"
-                self.fail(active, 500, message, None, "internal_error")
-            return []
+            logger.exception("engine step failed: failing all %d requests; exiting to be "
+                             "restarted", len(self.active))  # fmt: skip
+            for active in list(self.active.values()):
+                message = "the generation worker failed and is restarting"
+                self.link.send(RequestFailed(request_id=active.request_id, status_code=500,
+                                             message=message, code="internal_error"))  # fmt: skip
+            self.link.close(linger_ms=FAULT_LINGER_MS)  # the failures must leave first
+            sys.exit(EXIT_ENGINE_FAULT)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, DecodeRequest):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,37 @@ def ensure_model(model: str, dtype: str) -> int:
         return 2
 
 
+def busy_addresses(config: ClusterConfig) -> list[str]:
+    """The cluster's fixed TCP addresses that something already listens on: the orchestrator's
+    and the frontend's. Probed with a plain bind (no SO_REUSEPORT), so a running cluster's
+    frontend counts as well: a second cluster must not share its port or its orchestrator."""
+    wanted = [("the frontend", config.frontend.host, config.frontend.port)]
+    orchestrator = config.orchestrator.bind or config.orchestrator.address
+    if orchestrator.startswith("tcp://"):
+        host, _, port = orchestrator.removeprefix("tcp://").rpartition(":")
+        if port.isdigit():
+            wanted.append(("the orchestrator", "0.0.0.0" if host == "*" else host, int(port)))
+    busy = []
+    for name, host, port in wanted:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host.strip("[]"), port))
+            except OSError as exc:
+                busy.append(f"{name} address {host}:{port} is in use ({exc.strerror})")
+    return busy
+
+
 def up(config_path: str | None, ready_timeout_s: float) -> int:
-    """Validate, make sure the model exists, then start and supervise every process."""
+    """Validate, make sure the ports are free and the model exists, then start and supervise
+    every process."""
     config = load_config(config_path)
     if config is None:
+        return 2
+    busy = busy_addresses(config)
+    if busy:
+        print(f"error: {'; '.join(busy)}: is another cluster running? (`orchestrator status`); "
+              "nothing was started", file=sys.stderr)  # fmt: skip
         return 2
     rc = ensure_model(config.model, config.dtype)
     if rc != 0:

@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 Outbox = list[tuple[bytes, Message]]
 MAX_PREFILL_ATTEMPTS = 2
+NO_DECODER = "no generation worker is up"
 
 
 class State(enum.Enum):
@@ -139,6 +140,7 @@ class Orchestrator:
     def tick(self, now: float) -> Outbox:
         """Periodic: find the dead, and deal with their requests."""
         out: Outbox = []
+        self.registry.forget_dead(now)
         for worker in self.registry.expire(now):
             logger.error(
                 "%s %s (pid %d) missed its heartbeats for %.1f s: marked dead",
@@ -248,7 +250,9 @@ class Orchestrator:
         record.postproc_address = postproc.address
         record.postproc_worker_id = postproc.worker_id
         self.requests[request.request_id] = record
-        if self.prefills_locally(record):
+        if not self.registry.routable("generation"):  # a prefill would only hold blocks
+            self.fail(record.request_id, self.failure(request.request_id, 503, NO_DECODER), out)
+        elif self.prefills_locally(record):
             self.start_decode(record, None, out)
         else:
             self.start_prefill(record, out)
@@ -298,7 +302,7 @@ class Orchestrator:
     def start_decode(self, record: RequestRecord, prefill: PrefillDone | None, out: Outbox) -> None:
         workers = self.registry.routable("generation")
         if not workers:
-            failed = self.failure(record.request_id, 503, "no generation worker is up")
+            failed = self.failure(record.request_id, 503, NO_DECODER)
             self.fail(record.request_id, failed, out)
             return
         worker = self.generation_router.pick(workers, self.hashes(record))
@@ -340,14 +344,20 @@ class Orchestrator:
         return record
 
     def fail(self, request_id: str, failed: RequestFailed, out: Outbox) -> None:
-        """Tell the frontend, and have the postproc worker drop what it keeps for the request
-        (no worker will send it the request's end now)."""
+        """Tell the frontend, and have every worker that holds something of the request drop
+        it: the postproc worker its state (no worker will send it the request's end now), the
+        context worker its prefill or lease, the generation worker its decode. The one that
+        reported the failure has dropped it already; an Abort for nothing is a no-op."""
         record = self.end(request_id)
-        if record is not None:
-            out.append((record.frontend, failed))
-            if record.postproc_worker_id:
-                abort = Abort(request_id=request_id, reason="error")
-                out.append((record.postproc_worker_id.encode(), abort))
+        if record is None:
+            return
+        out.append((record.frontend, failed))
+        abort = Abort(request_id=request_id, reason="error")
+        if record.postproc_worker_id:
+            out.append((record.postproc_worker_id.encode(), abort))
+        for worker in (record.context_worker, record.generation_worker):
+            if worker is not None:
+                out.append((worker.worker_id.encode(), abort))
 
     def abort(self, request_id: str, out: Outbox) -> None:
         record = self.end(request_id)
@@ -374,7 +384,6 @@ class Orchestrator:
                     continue
             message = f"the {worker.role} worker serving this request stopped ({worker.worker_id})"
             self.fail(record.request_id, self.failure(record.request_id, 503, message), out)
-            self.abort_on_others(record, worker, out)
         worker.request_ids.clear()
         worker.active_tokens = 0
         self.prefix_index.forget(worker.worker_id)
@@ -386,21 +395,6 @@ class Orchestrator:
         if worker.role == "context":  # after the hand-off, a failed READ is the reader's to report
             return record.state is State.PREFILLING and record.context_worker is worker
         return record.generation_worker is worker
-
-    @staticmethod
-    def abort_on_others(record: RequestRecord, lost: WorkerRecord, out: Outbox) -> None:
-        """Free what the workers hold for a request failed because `lost` is gone (`lost` too,
-        in case it was only slow)."""
-        abort = Abort(request_id=record.request_id, reason="error")
-        if record.state is State.PREFILLING:
-            holders = [record.context_worker]
-        else:  # once the reader is gone no READ is in flight: the lease can go now
-            holders = [record.generation_worker]
-            if record.generation_worker is lost:
-                holders.append(record.context_worker)
-        for worker in holders:
-            if worker is not None:
-                out.append((worker.worker_id.encode(), abort))
 
     @staticmethod
     def failure(request_id: str, status_code: int, message: str) -> RequestFailed:

@@ -23,6 +23,8 @@ from common.protocol import Heartbeat, KVPool, Register, WorkerInfo, WorkerStats
 
 logger = logging.getLogger(__name__)
 
+FORGET_AFTER_TIMEOUTS = 12  # a dead record stays listed for this many worker timeouts (60 s)
+
 
 @dataclass(slots=True)
 class WorkerRecord:
@@ -111,6 +113,17 @@ class Registry:
         for worker in dead:
             worker.state = "dead"
         return dead
+
+    def forget_dead(self, now: float) -> None:
+        """Drop records dead for FORGET_AFTER_TIMEOUTS worker timeouts (a worker scaled away, a
+        pod gone): /cluster_info lists the cluster as it is. One that comes back after that is
+        asked to register again."""
+        forget_after_s = FORGET_AFTER_TIMEOUTS * self.worker_timeout_s
+        for worker in [w for w in self.workers.values() if not w.alive]:
+            if now - worker.last_seen > forget_after_s:
+                logger.info("%s %s: dead for %.0f s, forgotten", worker.role, worker.worker_id,
+                            now - worker.last_seen)  # fmt: skip
+                del self.workers[worker.worker_id]
 
     def ready(self, role: str) -> list[WorkerRecord]:
         return self._with_role(role, lambda w: w.ready)

@@ -5,7 +5,10 @@ integrity work: permanent 503s behind a green /health, workers declared dead mid
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.harness import MODEL, Cluster
+from tests.integration.harness import MODEL, Cluster, free_port
 
 WORKER_TIMEOUT_S = 1.0
 
@@ -82,3 +85,95 @@ def test_a_step_longer_than_the_worker_timeout_is_not_death(cluster: Cluster) ->
         assert all(f.result() for f in futures)
     assert seen_age > WORKER_TIMEOUT_S  # the scenario happened: one step outlasted the timeout
     assert "missed its heartbeats" not in cluster.log_tail(num_chars=None)[log_start:]
+
+
+@pytest.mark.parametrize("shared", ["orchestrator address", "frontend port"])
+def test_a_second_cluster_on_a_busy_address_refuses_to_start(
+    cluster: Cluster, shared: str, tmp_path
+) -> None:
+    """It registered its postproc workers with the running orchestrator (replacing the real
+    ones: a permanent 503), or split the frontend port with it through SO_REUSEPORT."""
+    config = (cluster.log_path.parent / "cluster.yaml").read_text()
+    port = cluster.url.rsplit(":", 1)[1]
+    if shared == "orchestrator address":  # another frontend port, the same orchestrator
+        config = config.replace(f"port: {port}", f"port: {free_port()}")
+    else:  # another orchestrator, the same frontend port
+        config = re.sub(r"tcp://127\.0\.0\.1:\d+", f"tcp://127.0.0.1:{free_port()}", config)
+    second = tmp_path / "second.yaml"
+    second.write_text(config)
+    before = {(w.worker_id, w.pid) for w in cluster.info().workers}
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "up", str(second)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "is in use" in result.stderr and "nothing was started" in result.stderr
+    assert "Serving" not in result.stdout
+    assert {(w.worker_id, w.pid) for w in cluster.info().workers} == before
+    assert complete(cluster, "Still the only cluster here")
+
+
+DEADLINE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def deadline_cluster(start_cluster) -> Cluster:
+    return start_cluster(
+        "disaggregated",
+        frontend=f"request_timeout_seconds: {DEADLINE_S}",
+        orchestrator="router: round_robin, worker_timeout_seconds: 60",  # stops are not deaths
+    )
+
+
+def stopped(pids: list[int]):
+    """SIGSTOP the processes for the `with` block (SIGCONT on the way out, whatever happens)."""
+
+    class Stopped:
+        def __enter__(self) -> None:
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc: object) -> None:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+    return Stopped()
+
+
+def test_a_request_to_a_stopped_orchestrator_gets_a_504_at_its_deadline(
+    deadline_cluster: Cluster,
+) -> None:
+    body = {"model": MODEL, "prompt": "Anyone there?", "max_tokens": 4}
+    with stopped([worker(deadline_cluster, "orchestrator").pid]):
+        started = time.monotonic()
+        response = httpx.post(f"{deadline_cluster.base_url}/completions", json=body, timeout=30)
+        took_s = time.monotonic() - started
+    assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    assert DEADLINE_S - 0.5 < took_s < DEADLINE_S + 2
+    assert complete(deadline_cluster, "Back again")
+
+
+def test_a_stream_whose_postproc_worker_stops_ends_with_an_error_at_its_deadline(
+    deadline_cluster: Cluster,
+) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    postprocs = [w.pid for w in deadline_cluster.info().workers if w.role == "postproc"]
+    frames: list[str] = []
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", f"{deadline_cluster.base_url}/completions", json=body, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break  # streaming: now its postproc worker stops
+        with stopped(postprocs):
+            frames = [line for line in lines if line.startswith("data: ")]
+            took_s = time.monotonic() - started
+    assert '"code":"timeout"' in frames[-2] and frames[-1] == "data: [DONE]"
+    assert took_s < DEADLINE_S + 2
+    info = deadline_cluster.wait_idle(timeout_s=15)  # aborted everywhere: nothing held
+    for w in info.workers:
+        assert w.blocks_used == 0 and w.blocks_leased == 0 and w.active_requests == 0, w

@@ -239,7 +239,8 @@ def test_worker_failure_is_forwarded_to_the_frontend() -> None:
     failed = RequestFailed(request_id="cmpl-1", status_code=400, message="bad", param="max_tokens")
     out = orch.handle(b"ctx-0", failed, 0.0)
     # the postproc worker is told too: no worker will send it this request's end any more
-    assert out == [(FRONTEND, failed), (b"pp-0", Abort(request_id="cmpl-1", reason="error"))]
+    abort = Abort(request_id="cmpl-1", reason="error")
+    assert out == [(FRONTEND, failed), (b"pp-0", abort), (b"ctx-0", abort)]
     assert not orch.requests
 
 
@@ -328,3 +329,38 @@ def test_requests_beyond_the_limit_get_a_429() -> None:
     assert isinstance(reply, RequestFailed) and reply.status_code == 429
     assert reply.code == "rate_limited" and "capacity" in reply.message
     assert len(orch.requests) == 2
+
+
+def test_without_a_generation_worker_nothing_is_prefilled() -> None:
+    """A prefill with nowhere to decode would only hold its blocks for the whole lease."""
+    orch = cluster(generations=0)
+    out = orch.handle(FRONTEND, generate(), 0.0)
+    assert not [m for _, m in out if isinstance(m, PrefillRequest)]
+    (failed,) = [m for to, m in out if to == FRONTEND]
+    assert isinstance(failed, RequestFailed) and failed.status_code == 503
+    assert not orch.requests
+
+
+def test_a_lost_postproc_worker_stops_the_decode_it_was_fed_by() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)
+    for worker_id in ("ctx-0", "gen-0"):
+        heartbeat(orch, worker_id, 4.0)
+    out = orch.tick(6.0)  # pp-0 silent: its requests fail, and the decode feeding it stops
+    assert (b"gen-0", Abort(request_id="cmpl-1", reason="error")) in out
+    assert [m.status_code for to, m in out if to == FRONTEND] == [503]
+
+
+def test_dead_records_are_forgotten_after_a_while() -> None:
+    orch = cluster()
+    timeout_s = orch.config.orchestrator.worker_timeout_seconds
+    for t in range(1, 100):  # everyone but ctx-0 keeps heartbeating
+        for worker_id in ("gen-0", "pp-0"):
+            heartbeat(orch, worker_id, float(t))
+        orch.tick(float(t))
+        if t < 12 * timeout_s:
+            assert "ctx-0" in orch.registry.workers
+    assert "ctx-0" not in orch.registry.workers
+    _, reply = only(heartbeat(orch, "ctx-0", 100.0))  # it comes back: it registers again
+    assert isinstance(reply, RegisterAgain)
