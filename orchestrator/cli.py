@@ -65,9 +65,10 @@ def busy_addresses(config: ClusterConfig) -> list[str]:
     wanted = [("the frontend", config.frontend.host, config.frontend.port)]
     orchestrator = config.orchestrator.bind or config.orchestrator.address
     if orchestrator.startswith("tcp://"):
-        host, _, port = orchestrator.removeprefix("tcp://").rpartition(":")
-        if port.isdigit():
-            wanted.append(("the orchestrator", "0.0.0.0" if host == "*" else host, int(port)))
+        bind_host, _, bind_port = orchestrator.removeprefix("tcp://").rpartition(":")
+        if bind_port.isdigit():
+            bind_host = "0.0.0.0" if bind_host == "*" else bind_host
+            wanted.append(("the orchestrator", bind_host, int(bind_port)))
     busy = []
     for name, host, port in wanted:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
