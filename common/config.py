@@ -91,7 +91,9 @@ class TransferConfig(_Section, frozen=True):
     backend: Literal["nixl"] = "nixl"
     lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
     pull_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # generation side gives up
-    recompute_on_failure: bool = False  # a failed pull: prefill on the generation worker instead
+    # A failed READ (its source died or is unreachable): prefill the prompt on the generation
+    # worker, as vLLM's "recompute" KV-load failure policy; false: fail the request (503).
+    recompute_on_failure: bool = True
 
     def __post_init__(self) -> None:
         # The reader must give up (and cancel its READ) before the source frees the blocks.
@@ -100,6 +102,15 @@ class TransferConfig(_Section, frozen=True):
                 f"pull_timeout_seconds ({self.pull_timeout_seconds}) must be shorter than "
                 f"lease_seconds ({self.lease_seconds})"
             )
+
+
+class SecurityConfig(_Section, frozen=True):
+    """ZeroMQ CURVE on every internal socket (common/curve.py)."""
+
+    curve: bool = True  # off only to debug on a trusted host: then any local process can join
+    # cluster.key + cluster.key_secret (a Kubernetes Secret); None: `orchestrator up` makes a
+    # new pair for each run, in a private directory
+    keys_dir: str | None = None
 
 
 ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3"]
@@ -121,6 +132,7 @@ class ClusterConfig(_Section, frozen=True):
     postproc_workers: PostprocWorkersConfig = PostprocWorkersConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
     transfer: TransferConfig = TransferConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
 import zmq
+from zmq.auth.base import Authenticator
 
 from common.config import ClusterConfig, load_cluster_config
+from common.curve import MissingKeys, cluster_keys, secure
 from common.protocol import Registered
-from common.worker_link import OrchestratorLink
+from common.worker_link import EXIT_REFUSED, OrchestratorLink
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,18 @@ def parse_args(description: str, argv: list[str] | None = None) -> tuple[Cluster
     if args.advertise_host:
         config = msgspec.structs.replace(config, advertise_host=args.advertise_host)
     return config, args.worker_id
+
+
+def secure_context(context: zmq.Context, config: ClusterConfig) -> Authenticator | None:
+    """CURVE for every socket of this process's context (common/curve.py), with the keys
+    `orchestrator up` passed in the environment or `security.keys_dir`; the ZAP handler to
+    stop at exit, None when `security.curve` is off. Missing keys end the process (exit 2)."""
+    try:
+        keys = cluster_keys(config, os.environ)
+    except MissingKeys as e:
+        logger.error("%s", e)
+        sys.exit(EXIT_REFUSED)
+    return None if keys is None else secure(context, keys)
 
 
 def setup_logging(worker_id: str) -> None:
@@ -75,6 +91,7 @@ def run_worker(
     setup_logging(worker_id)
     stop = stop_on_signals()
     context = zmq.Context()
+    authenticator = secure_context(context, config)
     worker = make_worker(config, worker_id, context)
     try:
         registered = worker.link.register(stop)
@@ -86,5 +103,7 @@ def run_worker(
             worker.step()
     finally:
         worker.close()
+        if authenticator is not None:
+            authenticator.stop()
         context.term()
         logger.info("stopped")

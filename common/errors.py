@@ -35,10 +35,12 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",  # a method the route does not have: the client's mistake
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

@@ -23,6 +23,8 @@ from collections import deque
 import msgspec
 import zmq
 
+from common.curve import serve
+
 MEDIUM_GPU = "GPU"
 
 
@@ -81,11 +83,13 @@ class KVEventPublisher:
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        serve(self.pub)
         self.pub.bind(endpoint)
         self.replay: zmq.Socket | None = None
         if replay_endpoint is not None:
             self.replay = context.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            serve(self.replay)
             self.replay.bind(replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0

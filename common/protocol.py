@@ -26,6 +26,7 @@ deltas.
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Literal
 
 import msgspec
@@ -128,6 +129,9 @@ class Register(_Message, tag="register"):
     role: Role
     protocol_version: int
     pid: int
+    # One per process start: a re-registration of the same process keeps its requests, another
+    # process under the same id is a restart (or, while the first still heartbeats, refused).
+    instance: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
     address: str = ""  # the worker's own PULL address (postproc: where TokenBatches go)
     kv_pool: KVPool | None = None  # context workers: the pool generation workers read from
     num_blocks: int = 0  # engine workers: the size of the KV pool (TensorRT-LLM's created event)

@@ -15,6 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from common.curve import serve
 from common.protocol import Message, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def make_socket(
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a departed peer is dropped
     if bind is not None:
+        serve(sock)
         sock.bind(bind)
     if connect is not None:
         sock.connect(connect)
@@ -49,6 +51,7 @@ def make_socket(
 def bind_random_port(sock: zmq.Socket, host: str, advertise_host: str | None = None) -> str:
     """Bind to a free TCP port on `host`; returns the address peers connect to (on
     `advertise_host` when the bind address is not dialable, like 0.0.0.0 in a pod)."""
+    serve(sock)
     port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{advertise_host or host}:{port}"
 

@@ -87,7 +87,7 @@ class ContextWorker:
         """One engine step. One that raises leaves the engine's state untrustworthy: every
         prefill in progress fails now with a 500 and the process exits for the supervisor to
         start a clean one (the seed's executor-fault boundary); a reader of one of its leases
-        finds its source gone (transfer.recompute_on_failure: it prefills the prompt itself)."""
+        finds its source gone and prefills the prompt itself (transfer.recompute_on_failure)."""
         try:
             return self.engine.step()
         except Exception:

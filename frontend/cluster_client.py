@@ -50,10 +50,13 @@ T = TypeVar("T")
 
 
 class ClusterClient:
-    def __init__(self, config: ClusterConfig, worker_id: str, http_url: str) -> None:
+    def __init__(
+        self, config: ClusterConfig, worker_id: str, http_url: str, context: zmq.asyncio.Context
+    ) -> None:
+        """`context`: the process's (secured by the entry point when CURVE is on)."""
         self.config = config
         self.worker_id = worker_id
-        self.context = zmq.asyncio.Context()
+        self.context = context
         self.dealer = make_socket(self.context, zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.dealer.connect(config.orchestrator.address)
@@ -87,7 +90,6 @@ class ClusterClient:
                 await task
         self.dealer.close()
         self.chunks.close()
-        self.context.term()
 
     async def submit(self, request: GenerateRequest) -> asyncio.Queue[Event]:
         frame = encode(request)  # first: a request that cannot be sent leaves no open entry

@@ -11,10 +11,11 @@ import signal
 import socket
 import tempfile
 
+import zmq.asyncio
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from common.entrypoint import parse_args, setup_logging
+from common.entrypoint import parse_args, secure_context, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ async def run(argv: list[str] | None = None) -> None:
 
     host, port = config.frontend.host, config.frontend.port
     url = f"http://{host}:{port}"
-    client = ClusterClient(config, worker_id, url)
+    context = zmq.asyncio.Context()
+    authenticator = secure_context(context, config)
+    client = ClusterClient(config, worker_id, url, context)
     app = build_app(config, client, load_model_info(config))
     sock = listening_socket(host, port)
     hypercorn_config = HypercornConfig()
@@ -53,7 +56,12 @@ async def run(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     logger.info("serving on %s/v1 (chunks at %s)", url, client.reply_to)
-    await serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    try:
+        await serve(app, hypercorn_config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        if authenticator is not None:
+            authenticator.stop()
+        context.term()
     logger.info("stopped")
 
 

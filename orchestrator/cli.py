@@ -13,6 +13,7 @@ import msgspec
 
 from common.builtin_models import TINY, builtin_model, resolve_model_dir
 from common.config import ClusterConfig, ConfigError, load_cluster_config
+from common.curve import ClusterKeys, generate_keys, load_keys
 from common.model_cache import is_verified
 from orchestrator.run_records import RECORDS_DIR, running_clusters
 from orchestrator.supervisor import query_cluster_info, run_cluster
@@ -97,6 +98,19 @@ def up(config_path: str | None, ready_timeout_s: float) -> int:
     return run_cluster(config, config_path, ready_timeout_s=ready_timeout_s)
 
 
+def client_keys(
+    config: ClusterConfig, address: str, keys_dir: str | None, records_dir: Path
+) -> ClusterKeys | None:
+    """The CURVE keys to ask the orchestrator at `address` with: `keys_dir` (security.keys_dir,
+    a Kubernetes Secret), else those of a cluster `orchestrator up` runs here at that address."""
+    if not config.security.curve:
+        return None
+    if keys_dir is None:
+        records = [r for r in running_clusters(records_dir) if r.orchestrator_address == address]
+        keys_dir = records[0].keys_dir if records else None
+    return load_keys(Path(keys_dir)) if keys_dir else None
+
+
 def status(config_path: str | None, records_dir: Path = RECORDS_DIR) -> int:
     """Print the orchestrator's ClusterInfo as JSON (the same record as GET /cluster_info): of
     the cluster `config_path` describes, else of the one `orchestrator up` runs on this machine,
@@ -105,6 +119,7 @@ def status(config_path: str | None, records_dir: Path = RECORDS_DIR) -> int:
     if config is None:
         return 2
     address = config.orchestrator.address
+    keys_dir = config.security.keys_dir
     running = [] if config_path else running_clusters(records_dir)
     if len(running) > 1:
         listing = "\n".join(f"  pid {r.pid}: {r.config_path or '(defaults)'}" for r in running)
@@ -114,8 +129,9 @@ def status(config_path: str | None, records_dir: Path = RECORDS_DIR) -> int:
         )
         return 2
     if running:
-        address = running[0].orchestrator_address
-    info = query_cluster_info(address, timeout_s=STATUS_TIMEOUT_S)
+        address, keys_dir = running[0].orchestrator_address, running[0].keys_dir
+    keys = client_keys(config, address, keys_dir, records_dir)
+    info = query_cluster_info(address, timeout_s=STATUS_TIMEOUT_S, keys=keys)
     if info is None:
         print(
             f"error: the orchestrator at {address} did not answer within {STATUS_TIMEOUT_S:.0f}s "
@@ -133,7 +149,9 @@ def probe(worker_id: str, config_path: str | None) -> int:
     config = load_config(config_path)
     if config is None:
         return 2
-    info = query_cluster_info(config.orchestrator.address, timeout_s=STATUS_TIMEOUT_S)
+    address = config.orchestrator.address
+    keys = client_keys(config, address, config.security.keys_dir, RECORDS_DIR)
+    info = query_cluster_info(address, timeout_s=STATUS_TIMEOUT_S, keys=keys)
     if info is None:
         print("error: the orchestrator did not answer", file=sys.stderr)
         return 1
@@ -149,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build-model", help="build a builtin model into the cache")
     build.add_argument("model", help="builtin:smollm2-135m or builtin:tiny")
     build.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    make_keys = commands.add_parser("keys", help="write a new CURVE keypair for a cluster")
+    make_keys.add_argument("directory", help="where (created 0700; for a Kubernetes Secret)")
     tiny = commands.add_parser("tiny-model", help="build the deterministic tiny model (offline)")
     tiny.add_argument("path", nargs="?", help="output directory (default: the builtin:tiny cache)")
     start = commands.add_parser("up", help="start the cluster and keep it running until Ctrl-C")
@@ -169,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    if args.command == "keys":
+        generate_keys(Path(args.directory))
+        print(f"wrote {args.directory}/cluster.key and cluster.key_secret")
+        return 0
     if args.command == "build-model":
         return build_model(args.model, args.dtype)
     if args.command == "tiny-model":

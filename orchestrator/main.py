@@ -13,7 +13,8 @@ import time
 import zmq
 
 from common.config import ClusterConfig, load_cluster_config
-from common.entrypoint import setup_logging, stop_on_signals
+from common.curve import serve
+from common.entrypoint import secure_context, setup_logging, stop_on_signals
 from common.transport import make_socket, parse, send_to
 from orchestrator.orchestrator import Orchestrator
 
@@ -30,9 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("orchestrator")
     stop = stop_on_signals()
     context = zmq.Context()
+    authenticator = secure_context(context, config)
     address = config.orchestrator.address
     sock = make_socket(context, zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its old identity
+    serve(sock)
     sock.bind(config.orchestrator.bind or address)
     orchestrator = Orchestrator(config, address)
     logger.info(
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                     send_to(sock, recipient, reply)
     finally:
         sock.close()
+        if authenticator is not None:
+            authenticator.stop()
         context.term()
     logger.info("stopped")
 

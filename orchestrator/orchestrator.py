@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 Outbox = list[tuple[bytes, Message]]
 MAX_PREFILL_ATTEMPTS = 2
 NO_DECODER = "no generation worker is up"
+DUPLICATE_WINDOW_HEARTBEATS = 2
 
 
 class State(enum.Enum):
@@ -164,8 +165,17 @@ class Orchestrator:
             logger.error("refused a registration: %s", reason)
             out.append((sender, Refused(reason=reason)))
             return
+        held = self.registry.workers.get(message.worker_id)
+        if held is not None and held.instance != message.instance and self.heard_lately(held, now):
+            reason = (
+                f"worker id {message.worker_id} is held by a live process (pid {held.pid}, "
+                f"heard from {now - held.last_seen:.1f} s ago): pid {message.pid} is a duplicate"
+            )
+            logger.error("refused a registration: %s", reason)
+            out.append((sender, Refused(reason=reason)))
+            return
         old = self.registry.register(message, now)
-        if old is not None and old.pid != message.pid:
+        if old is not None and old.instance != message.instance:
             logger.warning("%s restarted (pid %d -> %d)", message.worker_id, old.pid, message.pid)
             self.worker_lost(old, out)
         logger.info("%s %s registered (pid %d)", message.role, message.worker_id, message.pid)
@@ -173,6 +183,12 @@ class Orchestrator:
             self.prefix_index.cleared(message.worker_id)  # a new process starts with no cache
             self.kv_events.created(message.worker_id, message.num_blocks)
         out.append((sender, self.peers()))
+
+    def heard_lately(self, worker: WorkerRecord, now: float) -> bool:
+        """Within two heartbeats: the process is surely alive (a crashed one is restarted only
+        after a back-off longer than that)."""
+        interval_s = self.config.orchestrator.heartbeat_interval_seconds
+        return worker.alive and now - worker.last_seen < DUPLICATE_WINDOW_HEARTBEATS * interval_s
 
     def on_heartbeat(self, sender: bytes, message: Heartbeat, now: float, out: Outbox) -> None:
         worker = self.registry.heartbeat(message, now)

@@ -35,6 +35,7 @@ class WorkerRecord:
     kv_pool: KVPool | None
     last_seen: float
     events_address: str = ""
+    instance: str = ""  # Register.instance: which process start this record is
     state: str = "ready"  # ready | stalled | dead
     progress_age_s: float = 0.0  # from its last heartbeat
     stats: WorkerStats = field(default_factory=WorkerStats)
@@ -82,6 +83,7 @@ class Registry:
             kv_pool=message.kv_pool,
             last_seen=now,
             events_address=message.events_address,
+            instance=message.instance,
         )
         return old
 

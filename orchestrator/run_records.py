@@ -23,6 +23,7 @@ class RunRecord(msgspec.Struct, frozen=True):
     orchestrator_address: str
     url: str  # the frontend's base URL
     config_path: str | None  # None: the built-in defaults
+    keys_dir: str | None = None  # its CURVE keys (a private directory: this user's processes)
 
 
 def write_record(record: RunRecord, records_dir: Path = RECORDS_DIR) -> Path:

@@ -26,10 +26,12 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
 from common.config import ClusterConfig
+from common.curve import KEYS_ENV, ClusterKeys, as_client, generate_keys, load_keys
 from common.protocol import ClusterInfo, ClusterInfoRequest
 from common.transport import make_socket, recv, send
 from common.worker_link import EXIT_REFUSED
@@ -55,19 +57,21 @@ class ProcessSpec:
 
 
 def process_specs(
-    config: ClusterConfig, config_path: str | None, metrics_dir: str | None = None
+    config: ClusterConfig,
+    config_path: str | None,
+    metrics_dir: str | None = None,
+    keys_dir: str | None = None,
 ) -> list[ProcessSpec]:
     """Every process `orchestrator up` starts, orchestrator first (the others register with it).
-    The frontends share `metrics_dir`, prometheus_client's multiprocess directory."""
+    The frontends share `metrics_dir`, prometheus_client's multiprocess directory; every process
+    gets the cluster's CURVE keys directory."""
     tail = ("--config", config_path) if config_path else ()
 
     def spec(worker_id: str, role: str, module: str, named: bool = True) -> ProcessSpec:
         name = ("--worker-id", worker_id) if named else ()
-        env = (
-            (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),)
-            if role == "frontend" and metrics_dir
-            else ()
-        )
+        env: tuple[tuple[str, str], ...] = ((KEYS_ENV, keys_dir),) if keys_dir else ()
+        if role == "frontend" and metrics_dir:
+            env += (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),)
         return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail), env)
 
     specs = [spec("orchestrator", "orchestrator", "orchestrator.main", named=False)]
@@ -211,9 +215,14 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
 # --- readiness ------------------------------------------------------------------------------------
 
 
-def query_cluster_info(address: str, timeout_s: float) -> ClusterInfo | None:
-    """One ClusterInfoRequest to the orchestrator; None when it does not answer in time."""
-    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
+def query_cluster_info(
+    address: str, timeout_s: float, keys: ClusterKeys | None = None
+) -> ClusterInfo | None:
+    """One ClusterInfoRequest to the orchestrator; None when it does not answer in time (or, a
+    CURVE orchestrator, when `keys` are not the cluster's)."""
+    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER)
+    as_client(sock, keys)
+    sock.connect(address)
     try:
         send(sock, ClusterInfoRequest())
         if not sock.poll(int(timeout_s * 1000)):
@@ -256,6 +265,7 @@ def wait_until_ready(
     health_url: str,
     timeout_s: float,
     should_stop: Callable[[], bool] = lambda: False,
+    keys: ClusterKeys | None = None,
 ) -> StartupReport:
     """Poll ClusterInfo until every expected worker is ready, then the frontend's /health."""
     deadline = time.monotonic() + timeout_s
@@ -264,7 +274,7 @@ def wait_until_ready(
         report.dead = supervisor.exited()
         if report.dead:
             return report
-        info = query_cluster_info(orchestrator_address, timeout_s=1.0)
+        info = query_cluster_info(orchestrator_address, timeout_s=1.0, keys=keys)
         if info is not None:
             report.info = info
             ready = {w.worker_id for w in info.workers if w.state == "ready"}
@@ -328,6 +338,17 @@ class StopRequest:
         signal.signal(signal.SIGTERM, handler)
 
 
+def cluster_keys_for_run(config: ClusterConfig) -> tuple[str | None, ClusterKeys | None]:
+    """(keys directory, keys) for this run: `security.keys_dir`, else a new pair in a private
+    temporary directory; (None, None) when `security.curve` is off."""
+    if not config.security.curve:
+        return None, None
+    if config.security.keys_dir:
+        return config.security.keys_dir, load_keys(Path(config.security.keys_dir))
+    keys_dir = tempfile.mkdtemp(prefix="pdcluster-keys-")  # 0700
+    return keys_dir, generate_keys(Path(keys_dir))
+
+
 def run_cluster(
     config: ClusterConfig,
     config_path: str | None,
@@ -338,7 +359,8 @@ def run_cluster(
     stop = StopRequest()
     stop.install()
     metrics_dir = tempfile.mkdtemp(prefix="pdcluster-metrics-")  # fresh: no stale counters
-    specs = process_specs(config, config_path, metrics_dir)
+    keys_dir, keys = cluster_keys_for_run(config)
+    specs = process_specs(config, config_path, metrics_dir, keys_dir)
     supervisor = Supervisor(specs)
     host = config.frontend.host
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -347,6 +369,7 @@ def run_cluster(
         orchestrator_address=config.orchestrator.address,
         url=f"http://{client_host}:{config.frontend.port}",
         config_path=os.path.abspath(config_path) if config_path else None,
+        keys_dir=keys_dir,
     )
     record_path = write_record(record)
     try:
@@ -358,6 +381,7 @@ def run_cluster(
             health_url=f"http://{client_host}:{config.frontend.port}/health",
             timeout_s=ready_timeout_s,
             should_stop=lambda: stop.requested,
+            keys=keys,
         )
         if stop.requested:
             return 0
@@ -375,3 +399,5 @@ def run_cluster(
         supervisor.stop()
         record_path.unlink(missing_ok=True)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        if keys_dir and not config.security.keys_dir:  # this run's own pair: gone with it
+            shutil.rmtree(keys_dir, ignore_errors=True)

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
+from common.curve import ClusterKeys, load_keys
 from common.protocol import ClusterInfo
+from orchestrator.run_records import running_clusters
 from orchestrator.supervisor import SERVING
 
 START_TIMEOUT_S = 240.0
@@ -71,6 +74,22 @@ class Cluster:
             if not busy or time.monotonic() > deadline:
                 return info
             time.sleep(0.2)
+
+    def keys(self) -> ClusterKeys:
+        """The CURVE keys `orchestrator up` made for this cluster (its run record names them)."""
+        (record,) = [r for r in running_clusters() if r.pid == self.process.pid]
+        assert record.keys_dir is not None
+        return load_keys(Path(record.keys_dir))
+
+    def insider_context(self) -> zmq.Context:
+        """A context whose sockets speak CURVE with this cluster's keys (as its processes do);
+        terminate it after use."""
+        context = zmq.Context()
+        keys = self.keys()
+        context.curve_publickey = keys.public
+        context.curve_secretkey = keys.secret
+        context.curve_serverkey = keys.public
+        return context
 
     def log_tail(self, num_chars: int | None = 6000) -> str:
         text = self.log_path.read_text(errors="replace")

@@ -107,8 +107,8 @@ def test_twice_as_many_long_streams_as_decode_slots_all_complete(cluster: Cluste
 
 
 def test_context_worker_killed_after_prefill_before_the_pull(cluster: Cluster) -> None:
-    """The reader finds its source gone: the prompt is prefilled where it decodes (the lease
-    being over by then) and the context worker comes back."""
+    """The reader finds its source gone (its READ fails, or the lease is over by then): the
+    prompt is prefilled where it decodes, and the context worker comes back."""
     workers = {w.worker_id: w for w in cluster.info().workers}
     gen_pid, ctx_pid = workers["gen-0"].pid, workers["ctx-0"].pid
     os.kill(gen_pid, signal.SIGSTOP)

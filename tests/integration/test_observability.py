@@ -80,7 +80,7 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict]]:
 
 def test_zmq_subscriber_decodes_event_batches_and_sequences_have_no_gaps(cluster) -> None:
     gen0 = next(w for w in cluster.info().workers if w.worker_id == "gen-0")
-    context = zmq.Context()
+    context = cluster.insider_context()  # KV events are internal sockets: CURVE like the rest
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(gen0.events_address)

@@ -13,7 +13,14 @@ import msgspec
 import pytest
 import zmq
 
-from common.protocol import PROTOCOL_VERSION, Refused, Register, decode, encode
+from common.protocol import (
+    PROTOCOL_VERSION,
+    ClusterInfoRequest,
+    Refused,
+    Register,
+    decode,
+    encode,
+)
 from tests.integration.harness import MODEL, Cluster
 
 MAX_REQUESTS = 64  # the orchestrator's limit in this cluster: more in flight get a 429
@@ -128,11 +135,57 @@ def test_256_streaming_clients_all_finish_and_the_excess_is_told_to_retry(cluste
     assert_clean(cluster)
 
 
-def test_garbage_on_internal_sockets_is_dropped_and_the_cluster_serves(cluster: Cluster) -> None:
+def internal_addresses(cluster: Cluster) -> tuple[str, str]:
+    """(the orchestrator's address, a postproc worker's)."""
     config = (cluster.log_path.parent / "cluster.yaml").read_text()
     orchestrator = config.split('address: "')[1].split('"')[0]
     postproc = next(w.address for w in cluster.info().workers if w.role == "postproc")
+    return orchestrator, postproc
+
+
+def test_a_stranger_on_the_internal_sockets_gets_nothing_through(cluster: Cluster) -> None:
+    """The integrity issue's fourth case: any local process could ask the orchestrator for
+    completions (bypassing api_key), register as a worker and read prompts, or push chunks
+    into other users' streams. Without the cluster's CURVE keys nothing gets through: no
+    answer, no registration, no effect on the streams."""
+    orchestrator, postproc = internal_addresses(cluster)
+    log_start = len(cluster.log_tail(None))
     context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IDENTITY, b"gen-0")  # would have taken over gen-0's identity
+        dealer.connect(orchestrator)
+        dealer.send(encode(ClusterInfoRequest()))
+        intruder = Register(
+            worker_id="intruder",
+            role="postproc",
+            protocol_version=PROTOCOL_VERSION,
+            pid=1,
+            address="tcp://127.0.0.1:9",
+        )
+        dealer.send(encode(intruder))  # fmt: skip
+        assert not dealer.poll(2000)  # the handshake never completes: nothing is read
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(postproc)
+        push.send(b"\x00\x01 a forged chunk", zmq.NOBLOCK)
+        dealer.close()
+        push.close()
+    finally:
+        context.term()
+    workers = {w.worker_id for w in cluster.info().workers}
+    assert "intruder" not in workers and all(w.state == "ready" for w in cluster.info().workers)
+    assert "dropped a malformed message" not in cluster.log_tail(None)[log_start:]
+    result = httpx.post(f"{cluster.base_url}/completions",
+                        json={"model": MODEL, "prompt": "Still mine?"}, timeout=30)  # fmt: skip
+    assert result.status_code == 200
+
+
+def test_garbage_on_internal_sockets_is_dropped_and_the_cluster_serves(cluster: Cluster) -> None:
+    """From inside (a process with the keys, a buggy peer): malformed frames are dropped."""
+    orchestrator, postproc = internal_addresses(cluster)
+    context = cluster.insider_context()
     try:
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -184,6 +237,9 @@ def test_bad_bodies_are_4xx_in_the_one_shape(cluster: Cluster) -> None:
         assert response.status_code == status, (body[:60], response.text[:200])
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    wrong_method = httpx.get(url, timeout=30)  # the client's mistake, typed as one
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
     assert_clean(cluster)
 
 

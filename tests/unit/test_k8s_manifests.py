@@ -70,3 +70,16 @@ def test_frontend_is_scraped_and_probed_on_real_endpoints() -> None:
     assert annotations["prometheus.io/path"] == "/metrics"
     container = template["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_every_pod_mounts_the_curve_keys_where_cluster_yaml_looks() -> None:
+    config = parse_cluster_config(by_kind("ConfigMap")["pdcluster-config"]["data"]["cluster.yaml"])
+    assert config.security.curve and config.security.keys_dir
+    for doc in resources():
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["curve-keys"]["secret"]["secretName"] == "pdcluster-curve-keys"
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+        assert mounts["curve-keys"]["mountPath"] == config.security.keys_dir, doc["metadata"]

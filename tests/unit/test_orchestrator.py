@@ -364,3 +364,36 @@ def test_dead_records_are_forgotten_after_a_while() -> None:
     assert "ctx-0" not in orch.registry.workers
     _, reply = only(heartbeat(orch, "ctx-0", 100.0))  # it comes back: it registers again
     assert isinstance(reply, RegisterAgain)
+
+
+def test_a_duplicate_worker_id_is_refused_while_the_first_process_heartbeats() -> None:
+    """Anyone registering as gen-0 took its requests and failed them; now a second process
+    under a live worker's id is refused (the first keeps everything)."""
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)  # decoding on gen-0
+    heartbeat(orch, "gen-0", 1.0)
+    _, reply = only(register(orch, "gen-0", "generation", now=1.2, pid=666))
+    assert isinstance(reply, Refused) and "pid 666 is a duplicate" in reply.reason
+    assert orch.registry.workers["gen-0"].pid == 1 and "cmpl-1" in orch.requests
+
+
+def test_a_restart_after_silence_replaces_the_record_and_fails_its_requests() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)
+    heartbeat(orch, "gen-0", 1.0)
+    out = register(orch, "gen-0", "generation", now=3.0, pid=777)  # silent for 2 s: restarted
+    assert any(isinstance(m, Registered) for _, m in out)
+    assert [m.status_code for to, m in out if to == FRONTEND] == [503]
+    assert orch.registry.workers["gen-0"].pid == 777
+
+
+def test_the_same_process_registering_again_keeps_its_requests() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)
+    again = Register(worker_id="gen-0", role="generation", protocol_version=PROTOCOL_VERSION,
+                     pid=1, instance=orch.registry.workers["gen-0"].instance)  # fmt: skip
+    out = orch.handle(b"gen-0", again, 0.5)
+    assert not [m for to, m in out if to == FRONTEND] and "cmpl-1" in orch.requests
