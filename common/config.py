@@ -123,6 +123,9 @@ class ClusterConfig(_Section, frozen=True):
     device: Literal["cpu", "cuda"] = "cpu"
     internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
     advertise_host: str | None = None  # the host peers dial for those (a pod IP); internal_host
+    # [low, high]: every port the cluster's processes pick for themselves (workers' and frontends'
+    # PULL sockets, UCX listeners) is taken from here; None: any free port
+    port_range: tuple[Port, Port] | None = None
     tool_parser: ToolParserName | None = None  # None: the builtin's, else by config.json model_type
 
     frontend: FrontendConfig = FrontendConfig()
@@ -136,6 +139,8 @@ class ClusterConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all
+        if self.port_range is not None and not self.port_range[0] < self.port_range[1]:
+            raise ValueError(f"port_range must be [low, high] with low < high: {self.port_range}")
 
 
 class ConfigError(ValueError):

@@ -48,11 +48,21 @@ def make_socket(
     return sock
 
 
-def bind_random_port(sock: zmq.Socket, host: str, advertise_host: str | None = None) -> str:
-    """Bind to a free TCP port on `host`; returns the address peers connect to (on
-    `advertise_host` when the bind address is not dialable, like 0.0.0.0 in a pod)."""
+def bind_random_port(
+    sock: zmq.Socket,
+    host: str,
+    advertise_host: str | None = None,
+    port_range: tuple[int, int] | None = None,
+) -> str:
+    """Bind to a free TCP port on `host` (inside `port_range`, if given); returns the address
+    peers connect to (on `advertise_host` when the bind address is not dialable, like 0.0.0.0
+    in a pod)."""
     serve(sock)
-    port = sock.bind_to_random_port(f"tcp://{host}")
+    if port_range is None:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    else:
+        low, high = port_range
+        port = sock.bind_to_random_port(f"tcp://{host}", min_port=low, max_port=high + 1)
     return f"tcp://{advertise_host or host}:{port}"
 
 

@@ -15,6 +15,7 @@ from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
+from engine.ucx_network import ucx_environment
 
 
 def engine_config(
@@ -35,8 +36,10 @@ def engine_config(
 def build_engine(
     config: ClusterConfig, worker_id: str, workers: ContextWorkersConfig | GenerationWorkersConfig
 ) -> tuple[LLMEngine, KVTransferAgent]:
-    """An engine worker's engine and the NIXL agent over its KV pool (one per process)."""
+    """An engine worker's engine and the NIXL agent over its KV pool (one per process). UCX is
+    confined first (engine/ucx_network.py): it reads its settings when the agent is made."""
     configure_torch(config)
+    os.environ.update(ucx_environment(config.internal_host, config.port_range))
     engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
     kv_cache = engine.kv_cache
     agent = KVTransferAgent(f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes)

@@ -61,7 +61,9 @@ class ClusterClient:
         self.dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.dealer.connect(config.orchestrator.address)
         self.chunks = make_socket(self.context, zmq.PULL)
-        self.reply_to = bind_random_port(self.chunks, config.internal_host, config.advertise_host)
+        self.reply_to = bind_random_port(
+            self.chunks, config.internal_host, config.advertise_host, config.port_range
+        )
         self.register_message = Register(
             worker_id=worker_id,
             role="frontend",

@@ -74,6 +74,8 @@ def busy_addresses(config: ClusterConfig) -> list[str]:
     for name, host, port in wanted:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # as the servers bind: past connections in TIME_WAIT do not count, a listener does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host.strip("[]"), port))
             except OSError as exc:

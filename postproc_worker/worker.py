@@ -40,7 +40,9 @@ class PostprocWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.tokenizer = load_tokenizer(resolve_model_dir(config.model, config.dtype))
         self.tokens = make_socket(context, zmq.PULL)
-        self.address = bind_random_port(self.tokens, config.internal_host, config.advertise_host)
+        self.address = bind_random_port(
+            self.tokens, config.internal_host, config.advertise_host, config.port_range
+        )
         self.requests: dict[str, RequestState] = {}
         self.reply_to: dict[str, str] = {}
         self.push = PushSockets(context)

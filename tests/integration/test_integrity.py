@@ -177,3 +177,40 @@ def test_a_stream_whose_postproc_worker_stops_ends_with_an_error_at_its_deadline
     info = deadline_cluster.wait_idle(timeout_s=15)  # aborted everywhere: nothing held
     for w in info.workers:
         assert w.blocks_used == 0 and w.blocks_leased == 0 and w.active_requests == 0, w
+
+
+PORT_RANGE = (42000, 42999)
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP listener of `pids`, from `ss -ltnp`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        local, users = fields[3], fields[-1]
+        for pid in map(int, re.findall(r"pid=(\d+)", users)):
+            if pid in pids:
+                host, _, port = local.rpartition(":")
+                found.append((host.strip("[]"), int(port), pid))
+    return found
+
+
+def test_every_listening_socket_is_on_the_internal_host_and_in_the_port_range(
+    start_cluster,
+) -> None:
+    """The integrity issue's ninth case: UCX listened on the external interface, and the
+    internal sockets took random ports with no way to confine them."""
+    confined = start_cluster(
+        "disaggregated", extra=f"port_range: [{PORT_RANGE[0]}, {PORT_RANGE[1]}]\n"
+    )
+    assert complete(confined, "Through the confined ports " * 6)  # a NIXL READ included
+    info = confined.info()
+    pids = {w.pid for w in info.workers}
+    fixed = {int(confined.url.rsplit(":", 1)[1])}  # the configured frontend port ...
+    fixed |= {int(w.address.rsplit(":", 1)[1]) for w in info.workers if w.role == "orchestrator"}
+    sockets = listening_sockets(pids)
+    assert {pid for _, _, pid in sockets} == pids  # each process listens (UCX, PULL, ...)
+    for host, port, pid in sockets:
+        assert host == "127.0.0.1", (host, port, pid)
+        assert port in fixed or PORT_RANGE[0] <= port <= PORT_RANGE[1], (host, port, pid)
