@@ -183,6 +183,7 @@ class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_bytes_pulled: int = 0  # over NIXL
     kv_pull_seconds: float = 0.0
     kv_pull_failures: int = 0
+    prompts_recomputed: int = 0  # handed-off prompts prefilled again here (KV gone, unreadable)
     num_admitted: int = 0  # requests admitted to the engine's batch ...
     queue_seconds: float = 0.0  # ... and the seconds they waited for it, in all
 

@@ -157,6 +157,12 @@ WORKER_FAMILIES: list[tuple[type, str, str, Callable[[WorkerInfo], float | None]
         "KV pulls that failed",
         lambda w: _gen(w, w.kv_pull_failures),
     ),
+    (
+        _C,
+        "pdcluster_prompts_recomputed",
+        "Handed-off prompts prefilled again on the generation worker (their KV was gone)",
+        lambda w: _gen(w, w.prompts_recomputed),
+    ),
     (_G, "pdcluster_postproc_queue_depth", "Requests being formatted", lambda w: _postproc(w)),
 ]
 

@@ -85,7 +85,7 @@ class GenerationWorker:
         self.kv_bytes_pulled = 0
         self.kv_pull_seconds = 0.0
         self.kv_pull_failures = 0
-        self.num_prefilled_here = 0  # handed-off requests whose KV was gone by their turn
+        self.prompts_recomputed = 0  # handed-off prompts prefilled here: their KV was gone
         self._peers_asked_at = 0.0
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
@@ -104,6 +104,7 @@ class GenerationWorker:
         stats.kv_bytes_pulled = self.kv_bytes_pulled
         stats.kv_pull_seconds = self.kv_pull_seconds
         stats.kv_pull_failures = self.kv_pull_failures
+        stats.prompts_recomputed = self.prompts_recomputed
         return stats
 
     def on_registered(self, registered: Registered) -> None:
@@ -215,7 +216,7 @@ class GenerationWorker:
         logger.info("%s: its KV on %s is not readable in time; prefilling it here",
                     request.request_id, prefill.agent_name)  # fmt: skip
         self.release_source(decode)
-        self.num_prefilled_here += 1
+        self.prompts_recomputed += 1
         first_tokens = {d.index: d.token_ids[0] for d in prefill.first if d.finish_reason is None}
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
@@ -320,7 +321,9 @@ class GenerationWorker:
         )
         self.engine.pull_failed(request_id, recompute)
         self.release_source(pull.decode)
-        if not recompute:
+        if recompute:
+            self.prompts_recomputed += 1
+        else:
             self.fail(
                 self.active[request_id],
                 503,

@@ -157,20 +157,8 @@ class Orchestrator:
     # --- registration -----------------------------------------------------------------------------
 
     def on_register(self, sender: bytes, message: Register, now: float, out: Outbox) -> None:
-        if message.protocol_version != PROTOCOL_VERSION:
-            reason = (
-                f"{message.worker_id} speaks protocol version {message.protocol_version}, this"
-                f" orchestrator {PROTOCOL_VERSION}: run the same release everywhere"
-            )
-            logger.error("refused a registration: %s", reason)
-            out.append((sender, Refused(reason=reason)))
-            return
-        held = self.registry.workers.get(message.worker_id)
-        if held is not None and held.instance != message.instance and self.heard_lately(held, now):
-            reason = (
-                f"worker id {message.worker_id} is held by a live process (pid {held.pid}, "
-                f"heard from {now - held.last_seen:.1f} s ago): pid {message.pid} is a duplicate"
-            )
+        reason = self.refusal(message, now)
+        if reason is not None:
             logger.error("refused a registration: %s", reason)
             out.append((sender, Refused(reason=reason)))
             return
@@ -183,6 +171,22 @@ class Orchestrator:
             self.prefix_index.cleared(message.worker_id)  # a new process starts with no cache
             self.kv_events.created(message.worker_id, message.num_blocks)
         out.append((sender, self.peers()))
+
+    def refusal(self, message: Register, now: float) -> str | None:
+        """Why a registration is refused: another protocol version, or a second process under
+        the id of a worker that is alive; None to accept it."""
+        if message.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"{message.worker_id} speaks protocol version {message.protocol_version}, this"
+                f" orchestrator {PROTOCOL_VERSION}: run the same release everywhere"
+            )
+        held = self.registry.workers.get(message.worker_id)
+        if held is not None and held.instance != message.instance and self.heard_lately(held, now):
+            return (
+                f"worker id {message.worker_id} is held by a live process (pid {held.pid}, "
+                f"heard from {now - held.last_seen:.1f} s ago): pid {message.pid} is a duplicate"
+            )
+        return None
 
     def heard_lately(self, worker: WorkerRecord, now: float) -> bool:
         """Within two heartbeats: the process is surely alive (a crashed one is restarted only
