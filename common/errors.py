@@ -57,6 +57,45 @@ def error_body(
     return msgspec.json.encode(ErrorResponse(error=detail))
 
 
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class AnthropicErrorDetail(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(msgspec.Struct, kw_only=True, tag_field="type", tag="error"):
+    """Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`."""
+
+    error: AnthropicErrorDetail
+
+
+def anthropic_error_body(status_code: int, message: str) -> bytes:
+    detail = AnthropicErrorDetail(
+        type=_ANTHROPIC_ERROR_TYPES.get(status_code, "api_error"), message=message
+    )
+    return msgspec.json.encode(AnthropicErrorResponse(error=detail))
+
+
+def as_anthropic_error(openai_body: bytes, status_code: int) -> bytes:
+    """An error body made in the OpenAI shape (by a worker) in Anthropic's."""
+    try:
+        message = msgspec.json.decode(openai_body, type=ErrorResponse).error.message
+    except msgspec.DecodeError:
+        message = openai_body.decode(errors="replace")
+    return anthropic_error_body(status_code, message)
+
+
 def validation_location(message: str) -> tuple[str, str | None]:
     """Split msgspec's 'Expected `int` >= 1 - at `$.kv_cache.block_size`' into the reason and
     the path ('kv_cache.block_size'); None when the message names no place."""

@@ -73,6 +73,7 @@ class ChatTokenLogprob(msgspec.Struct, kw_only=True):
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None  # required by the API, always null here
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -89,6 +90,7 @@ class ToolCall(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None  # required by the API (nullable): this server never refuses
     reasoning_content: str | UnsetType = UNSET  # set only when a reasoning parser ran
     tool_calls: list[ToolCall] | UnsetType = UNSET  # set only when the choice called tools
 

@@ -37,20 +37,31 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 
+def media_of(path: str) -> str:
+    """Which API's error shape a route answers in: Anthropic's on /v1/messages."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>`; /health stays open for probes."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (the Anthropic SDK's
+    header); /health stays open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            bearer = headers.get(b"authorization", b"")
+            given = bearer[len(b"Bearer ") :] if bearer.startswith(b"Bearer ") else None
+            if given is None:
+                given = headers.get(b"x-api-key", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(
-                    401, "a valid API key is required", code="invalid_api_key"
-                )
+                    401, "a valid API key is required", code="invalid_api_key",
+                    media=media_of(scope["path"]),
+                )  # fmt: skip
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -137,15 +148,20 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         check_model(body.model)
         return _json({"input_tokens": await off_loop(anthropic.count_tokens, body, model)})
 
+    card = {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "pdcluster",
+        "max_model_len": model.max_model_len,
+    }
+
     async def list_models(request: Request) -> Response:
-        card = {
-            "id": model.name,
-            "object": "model",
-            "created": model.created,
-            "owned_by": "pdcluster",
-            "max_model_len": model.max_model_len,
-        }
         return _json({"object": "list", "data": [card]})
+
+    async def retrieve_model(request: Request) -> Response:
+        check_model(request.path_params["model_id"])
+        return _json(card)
 
     async def version(request: Request) -> Response:
         return _json({"version": importlib.metadata.version("pdcluster")})
@@ -241,6 +257,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),
@@ -274,24 +291,27 @@ class _NotFound(InvalidRequest):
 
 async def _invalid_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, InvalidRequest)
+    media = media_of(request.url.path)
     if isinstance(exc, _NotFound):
-        return error_response(404, exc.message, exc.param, exc.code)
-    return error_response(400, exc.message, exc.param)
+        return error_response(404, exc.message, exc.param, exc.code, media=media)
+    return error_response(400, exc.message, exc.param, media=media)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    media, path = media_of(request.url.path), request.url.path
     if exc.status_code == 404:
-        return error_response(404, f"no route {request.url.path}", code="not_found")
+        return error_response(404, f"no route {path}", code="not_found", media=media)
     if exc.status_code == 405:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}")
+        return error_response(405, f"{request.method} is not allowed on {path}", media=media)
     if exc.status_code == 413:
-        return error_response(413, str(exc.detail), code="request_too_large")
-    return error_response(exc.status_code, str(exc.detail))
+        return error_response(413, str(exc.detail), code="request_too_large", media=media)
+    return error_response(exc.status_code, str(exc.detail), media=media)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, "internal error", code="internal_error")
+    media = media_of(request.url.path)
+    return error_response(500, "internal error", code="internal_error", media=media)
 
 
 def _json(payload: object) -> Response:

@@ -23,6 +23,9 @@ from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, new_request_id
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
+    Penalty,
+    Temperature,
+    TopP,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -63,6 +66,12 @@ class Message(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # What the SDK puts in an assistant message it returned, so it can be sent back unchanged;
+    # none of them reaches the template (a non-null function_call is refused: use tool_calls).
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Strict):
@@ -82,8 +91,8 @@ class ChatCompletionRequest(_Strict):
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None  # None: the model's default (frontend/sampling.py)
-    top_p: float | None = None
+    temperature: Temperature | None = None  # None: the model's default (frontend/sampling.py)
+    top_p: TopP | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -91,10 +100,25 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Standard fields that cannot change the output here: accepted and ignored (README).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    # Standard fields this server cannot honour: a 400 that says why, when set.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -117,6 +141,24 @@ class ChatCompletionRequest(_Strict):
     priority: int = 0
 
 
+def check_unsupported(body: ChatCompletionRequest) -> None:
+    """The official fields whose meaning this server cannot honour: refused, saying why."""
+    if body.audio is not None or (body.modalities and "audio" in body.modalities):
+        raise InvalidRequest("audio output is not supported: this model writes text", "audio")
+    if body.functions is not None or body.function_call is not None:
+        raise InvalidRequest(
+            "functions and function_call are deprecated; use tools and tool_choice", "functions"
+        )
+    if body.web_search_options is not None:
+        raise InvalidRequest("web search is not available on this server", "web_search_options")
+    for i, message in enumerate(body.messages):
+        if message.function_call is not None:
+            raise InvalidRequest(
+                "function_call in messages is deprecated; use tool_calls",
+                f"messages[{i}].function_call",
+            )
+
+
 def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> None:
     if body.chat_template is not None and not allow_request_template:
         raise InvalidRequest(
@@ -129,6 +171,7 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     check_logprobs(body.top_logprobs, "top_logprobs")
+    check_unsupported(body)
     if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
     for i, message in enumerate(body.messages):
@@ -138,6 +181,9 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
             raise InvalidRequest("this model takes text only", f"messages[{i}].content")
 
 
+_SDK_ONLY_FIELDS = ("refusal", "annotations", "audio", "function_call")
+
+
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Messages as the plain dicts chat templates expect: developer is a system turn, and text
     parts are joined into one string (as vLLM does for text models: many templates, SmolLM2's
@@ -145,6 +191,8 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     out = []
     for message in messages:
         record = msgspec.to_builtins(message)
+        for name in _SDK_ONLY_FIELDS:
+            record.pop(name, None)
         if record["role"] == "developer":
             record["role"] = "system"
         if isinstance(message.content, list):
@@ -188,12 +236,16 @@ def render_chat(body: ChatCompletionRequest, model: ModelInfo) -> RenderedPrompt
         tools=tools,
         add_generation_prompt=body.add_generation_prompt,
         special_tokens=special_tokens,
-        template_kwargs=thinking_kwargs(body.chat_template_kwargs or {}),
+        template_kwargs=thinking_kwargs(body.chat_template_kwargs or {}, body.reasoning_effort),
     )
 
 
-def thinking_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def thinking_kwargs(kwargs: dict[str, Any], reasoning_effort: str | None = None) -> dict[str, Any]:
+    """The template's thinking switches: `enable_thinking` and `thinking` always equal, and set
+    from `reasoning_effort` (none / minimal: off; low and up: on) unless the kwargs set them."""
     kwargs = dict(kwargs)
+    if reasoning_effort is not None and not {"enable_thinking", "thinking"} & kwargs.keys():
+        kwargs["enable_thinking"] = reasoning_effort not in ("none", "minimal")
     for key, other in (("enable_thinking", "thinking"), ("thinking", "enable_thinking")):
         if key in kwargs and other not in kwargs:
             kwargs[other] = kwargs[key]

@@ -16,6 +16,9 @@ from common.sampling_params import MAX_N
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    Penalty,
+    Temperature,
+    TopP,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -34,8 +37,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     prompt: str | list[Any] | None = None  # a string, strings, token ids, or lists of ids
     suffix: str | None = None  # not supported: a 400 when set
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
-    temperature: float | None = None  # None: the model's default (frontend/sampling.py)
-    top_p: float | None = None
+    temperature: Temperature | None = None  # None: the model's default (frontend/sampling.py)
+    top_p: TopP | None = None
     n: int = 1
     best_of: int | None = None
     stream: bool = False
@@ -44,8 +47,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions, as in vLLM

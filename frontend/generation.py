@@ -24,7 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from common.errors import error_body
+from common.errors import anthropic_error_body, as_anthropic_error, error_body
 from common.openai_schema import Completion, PromptTokensDetails, Usage
 from common.protocol import Chunk, GenerateRequest, RequestFailed
 from frontend import metrics
@@ -40,32 +40,43 @@ RETRY_AFTER_S = 1  # what a 429 / 503 tells clients (and the openai SDK honours)
 
 
 def error_response(
-    status_code: int, message: str, param: str | None = None, code: str | None = None
+    status_code: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    media: str = "openai",
 ) -> Response:
+    """The one error shape of the API (`media`: "openai", or "anthropic" on /v1/messages)."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status_code in (429, 503) else None
-    return Response(
-        error_body(status_code, message, param, code),
-        status_code,
-        headers=headers,
-        media_type="application/json",
-    )
+    if media == "anthropic":
+        body = anthropic_error_body(status_code, message)
+    else:
+        body = error_body(status_code, message, param, code)
+    return Response(body, status_code, headers=headers, media_type="application/json")
 
 
-def failure_response(event: Event) -> Response | None:
-    """The HTTP error an event stands for, or None when it is a normal chunk."""
+def _error_body(event: Event, media: str) -> bytes:
     if isinstance(event, RequestFailed):
-        return error_response(event.status_code, event.message, event.param, event.code)
-    if event.status_code != 200:
-        return Response(event.data, event.status_code, media_type="application/json")
+        if media == "anthropic":
+            return anthropic_error_body(event.status_code, event.message)
+        return error_body(event.status_code, event.message, event.param, event.code)
+    return as_anthropic_error(event.data, event.status_code) if media == "anthropic" else event.data
+
+
+def failure_response(event: Event, media: str = "openai") -> Response | None:
+    """The HTTP error an event stands for, or None when it is a normal chunk."""
+    if isinstance(event, RequestFailed) or event.status_code != 200:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if event.status_code in (429, 503) else None
+        return Response(
+            _error_body(event, media), event.status_code, headers=headers,
+            media_type="application/json",
+        )  # fmt: skip
     return None
 
 
 def error_frame(event: Event, media: str) -> bytes:
     """A failure after the stream started: a final error event (and [DONE] for OpenAI)."""
-    if isinstance(event, RequestFailed):
-        body = error_body(event.status_code, event.message, event.param, event.code)
-    else:
-        body = event.data
+    body = _error_body(event, media)
     if media == "anthropic":
         return b"event: error\ndata: " + body + b"\n\n"
     return b"data: " + body + b"\n\n" + SSE_DONE
@@ -99,7 +110,7 @@ async def serve(
             client.abort(request_id)
         return Response(status_code=499)
     for event in firsts:
-        failure = failure_response(event)
+        failure = failure_response(event, media)
         if failure is not None:
             for request_id in ids:
                 client.abort(request_id)

@@ -4,6 +4,7 @@ cannot drift from what the routes accept."""
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from functools import cache
 from typing import Any
 
@@ -37,6 +38,7 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
     "/v1/tokenize": ("post", "Tokenize a prompt or messages", TokenizeRequest, None),
     "/v1/detokenize": ("post", "Turn token ids into text", DetokenizeRequest, None),
     "/v1/models": ("get", "List the served model", None, None),
+    "/v1/models/{model_id}": ("get", "The served model's card (404 for any other id)", None, None),
     "/version": ("get", "The server's version", None, None),
     "/health": ("get", "200 when every needed worker role is alive, else 503", None, None),
     "/health_generate": ("get", "200 when a one-token request completes", None, None),
@@ -64,6 +66,12 @@ def openapi_document() -> dict[str, Any]:
                 "text/event-stream": {"schema": {"type": "string"}},
             }
         operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, "default": error}}
+        names = re.findall(r"{(\w+)}", path)
+        if names:
+            operation["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in names
+            ]
         if request is not None:
             operation["requestBody"] = {
                 "required": True,

@@ -14,12 +14,18 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
+
+import msgspec
 
 from common.errors import InvalidRequest
 from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# The official API's ranges, checked when the body is decoded.
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
 
 @dataclass(frozen=True, slots=True)

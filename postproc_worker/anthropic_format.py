@@ -86,7 +86,7 @@ class AnthropicRenderer:
                     frames += self._block(("text", -1), TextBlock(text=""))
                     frames += self._delta(TextDelta(text=event))
             elif isinstance(event, ToolCallStart):
-                block = ToolUseBlock(id=event.id, name=event.name, input={})
+                block = ToolUseBlock(id=tool_use_id(event.id), name=event.name, input={})
                 frames += self._block(("tool_use", event.index), block)
             elif event.text:
                 frames += self._delta(InputJsonDelta(partial_json=event.text))
@@ -170,7 +170,7 @@ def content_blocks(parsed: ParsedText) -> list[ContentBlock]:
             elif event:
                 blocks.append(TextBlock(text=event))
         elif isinstance(event, ToolCallStart):
-            block = ToolUseBlock(id=event.id, name=event.name, input={})
+            block = ToolUseBlock(id=tool_use_id(event.id), name=event.name, input={})
             calls[event.index] = (block, [])
             blocks.append(block)
         else:
@@ -192,3 +192,8 @@ def _json_object(text: str) -> dict:
 def _sse(event: StreamEvent) -> bytes:
     """Anthropic names each SSE event after its type, and sends no `[DONE]`."""
     return f"event: {event.__struct_config__.tag}\ndata: ".encode() + _json.encode(event) + b"\n\n"
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id style for a parsed call ("call_ab12..." -> "toolu_ab12...")."""
+    return "toolu_" + call_id.removeprefix("call_")

@@ -276,6 +276,15 @@ def test_api_key_body_limit_and_two_frontend_processes(start_cluster) -> None:
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model=MODEL, prompt="x" * 4000, max_tokens=2)
     assert caught.value.status_code == 413
+    claude = anthropic.Anthropic(base_url=guarded.url, api_key="sekrit", max_retries=0)  # x-api-key
+    ask = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert claude.messages.create(**ask).content is not None
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=guarded.url, api_key="wrong", max_retries=0).messages.create(
+            **ask
+        )
+    assert refused.value.body["type"] == "error"  # Anthropic's shape on its route
+    assert refused.value.body["error"]["type"] == "authentication_error"
 
 
 def test_first_token_that_ends_the_request_still_streams(oai) -> None:
@@ -286,3 +295,51 @@ def test_first_token_that_ends_the_request_still_streams(oai) -> None:
     )
     assert len(chunks) == 1
     assert chunks[0].choices[0].text and chunks[0].choices[0].finish_reason == "length"
+
+
+# --- the popular clients' defaults ----------------------------------------------------------------
+
+
+def test_standard_fields_are_accepted_and_a_returned_message_goes_back_unchanged(oai) -> None:
+    """The official API's fields that cannot change the output here are accepted; the assistant
+    message exactly as the SDK returns it (refusal, annotations, audio, function_call: null) is a
+    valid turn of the next request."""
+    first = chat(
+        oai, metadata={"team": "a"}, store=False, service_tier="auto", verbosity="low",
+        prompt_cache_key="k", safety_identifier="u-1", reasoning_effort="low",
+        prediction={"type": "content", "content": "x"}, modalities=["text"], user="me",
+    )  # fmt: skip
+    message = first.choices[0].message
+    assert message.refusal is None
+    turn = message.model_dump()  # every field the SDK has, nulls included
+    assert {"refusal", "annotations", "audio", "function_call"} <= turn.keys()
+    second = chat(oai, messages=[*CHAT, turn, {"role": "user", "content": "And then?"}])
+    assert second.choices[0].message.content is not None
+
+
+def test_fields_it_cannot_honour_are_400s_that_say_why(cluster: Cluster) -> None:
+    url = f"{cluster.base_url}/chat/completions"
+    cases = [
+        ({"modalities": ["text", "audio"]}, "audio"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "deprecated"),
+        ({"web_search_options": {}}, "web search"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+    ]
+    for fields, says in cases:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **fields}
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 400, (fields, response.text)
+        assert says in response.text, (fields, response.text)
+    response = httpx.post(url, timeout=30, json={"model": MODEL, "messages": CHAT,
+                                                 "max_tokens": 2, "temperature": None})  # fmt: skip
+    assert response.status_code == 200  # null means the default, as a missing value does
+    assert response.json()["choices"][0]["message"]["refusal"] is None
+
+
+def test_models_retrieve(oai) -> None:
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")

@@ -199,7 +199,7 @@ def check_tool_uses(message, names: set[str]) -> list:
     uses = [b for b in message.content if b.type == "tool_use"]
     assert uses and message.stop_reason == "tool_use"
     for use in uses:
-        assert use.name in names and use.id
+        assert use.name in names and use.id.startswith("toolu_")  # Anthropic's id style
         schema = {"get_weather": WEATHER, "get_time": TIME}[use.name]
         jsonschema.validate(use.input, schema["function"]["parameters"])
     return uses
@@ -274,7 +274,10 @@ def test_anthropic_requests_it_cannot_serve_are_400(cluster, options, says) -> N
     body = {"model": MODEL, "max_tokens": 8, "messages": ASK, **options}
     response = httpx.post(f"{cluster.url}/v1/messages", json=body, timeout=30)
     assert response.status_code == 400, response.text
-    error = response.json()["error"]  # the one error shape of every route
+    body = response.json()  # Anthropic's own error shape on its route
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert set(error) == {"type", "message"}
     assert error["type"] == "invalid_request_error" and says in error["message"], error
 
 
