@@ -32,8 +32,8 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     """Legacy completion logprobs: parallel lists, one entry per token."""
 
     tokens: list[str] = msgspec.field(default_factory=list)
-    token_logprobs: list[float] = msgspec.field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)  # echo: first None
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
     text_offset: list[int] = msgspec.field(default_factory=list)
 
 

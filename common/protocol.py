@@ -71,6 +71,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
     prompt_token_ids_b64: str = ""  # for echo / logprobs of the prompt and usage
+    echo_only: bool = False  # max_tokens 0 with echo: the one token sampled is not output
     parser_state: dict[str, object] = msgspec.field(
         default_factory=dict
     )  # reasoning / tool parsers
@@ -214,6 +215,9 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs, with choice 0's first token: (log-prob, top alternatives)
+    # of prompt tokens 1, 2, ... given the ones before
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class PrefillRequest(_Message, tag="prefill"):

@@ -34,6 +34,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token plus k top alternatives
+    # The prompt's own log-probs (each prompt token given the ones before it; the first has
+    # none), with k top alternatives: what scoring harnesses (lm-eval) read through echo.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     stop: list[str] = msgspec.field(default_factory=list)  # applied by the detokenizing side
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
@@ -69,6 +72,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
         if vocab_size is not None:
             for token_id in list(self.logit_bias or ()) + self.stop_token_ids:

@@ -31,6 +31,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: (log-prob, top alternatives) of prompt tokens 1, 2, ...
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class LLM:
@@ -75,3 +77,5 @@ class LLM:
             out.top_logprobs.append(token.top_logprobs or [])
         out.finish_reason = token.finish_reason
         result.num_cached_tokens = token.num_cached_tokens
+        if token.prompt_logprobs is not None:
+            result.prompt_logprobs = token.prompt_logprobs

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
@@ -16,7 +18,7 @@ from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import load_model
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PromptRows
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -34,6 +36,12 @@ class TokenOutput:
     finish_reason: str | None  # stop | length | abort, once finished
     num_prompt_tokens: int
     num_cached_tokens: int
+    # With the first token of choice 0, when asked for: each prompt token's log-prob given the
+    # ones before it (from the second token on) and its top alternatives.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
 
 
 class LLMEngine:
@@ -216,7 +224,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
-        seqs, logits = self.runner.run(out)
+        seqs, logits, prompt_rows = self.runner.run(out)
+        for rows in prompt_rows:
+            self._record_prompt_logprobs(rows)
         self.num_prompt_tokens_computed += sum(
             min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens + c.num_new_tokens)
             - min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens)
@@ -227,8 +237,39 @@ class LLMEngine:
         self.scheduler.postprocess(out, seqs, sampled)
         return [self._output(seq, row, sampled) for row, seq in enumerate(seqs)]
 
+    def _record_prompt_logprobs(self, rows: PromptRows) -> None:
+        """Append the log-probs of the prompt tokens these rows predict, in order (a chunk run
+        again after a preemption adds nothing twice); logits a slice of rows at a time, since
+        a whole prompt's would be rows x vocabulary floats. Raw model log-probs: no
+        temperature, penalties or grammar."""
+        seq, k = rows.seq, rows.seq.params.prompt_logprobs or 0
+        wanted = min(rows.hidden.shape[0], seq.num_prompt_tokens - 1 - rows.start)
+        for first in range(0, max(wanted, 0), PROMPT_LOGPROBS_SLICE):
+            last = min(first + PROMPT_LOGPROBS_SLICE, wanted)
+            logits = self.model.logits(rows.hidden[first:last]).float()  # (slice, vocab)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logprobs, k, dim=-1) if k else None
+            for i in range(last - first):
+                position = rows.start + first + i
+                if position != len(seq.prompt_logprobs):
+                    continue
+                target = seq.token_ids[position + 1]
+                alternatives = (
+                    list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+                    if top is not None
+                    else []
+                )
+                seq.prompt_logprobs.append((float(logprobs[i, target]), alternatives))
+
     def _output(self, seq: Sequence, row: int, sampled: SampleResult) -> TokenOutput:
         wants_logprobs = seq.params.logprobs is not None
+        prompt_logprobs = None
+        if (
+            seq.params.prompt_logprobs is not None
+            and seq.index == 0
+            and not seq.prompt_logprobs_sent
+        ):
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return TokenOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -240,6 +281,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

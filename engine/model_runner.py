@@ -7,6 +7,8 @@ known tokens are projected to logits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionBackend
@@ -15,6 +17,16 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model import AttentionMetadata, CausalLM
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The hidden states of a chunk's positions `start`, `start + 1`, ... of one sequence: row
+    i predicts the token at position start + i + 1."""
+
+    seq: Sequence
+    start: int
+    hidden: torch.Tensor  # (num_new_tokens, hidden)
 
 
 class ModelRunner:
@@ -32,8 +44,10 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
-    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        """Forward the batch; returns the sequences that sample and their (rows, vocab) logits."""
+    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
+        """Forward the batch; returns the sequences that sample and their (rows, vocab) logits,
+        and the logits of every prompt position of chunks whose sequence wants prompt
+        log-probs (their hidden states: the logits are made a slice at a time)."""
         decodes = [c for c in out.chunks if c.num_new_tokens == 1]
         prefills = [c for c in out.chunks if c.num_new_tokens > 1]
         chunks = decodes + prefills
@@ -66,7 +80,13 @@ class ModelRunner:
         ends = torch.cumsum(torch.tensor([c.num_new_tokens for c in chunks]), 0) - 1
         rows = [i for i, c in enumerate(chunks) if c.samples]
         logits = self.model.logits(hidden[self._to(ends[rows])])  # (num_sampling, vocab)
-        return [chunks[i].seq for i in rows], logits
+        prompt_rows = [
+            PromptRows(c.seq, c.seq.num_computed_tokens,
+                       hidden[int(end) - c.num_new_tokens + 1 : int(end) + 1])  # (num_new, hidden)
+            for c, end in zip(chunks, ends, strict=True)
+            if c.seq.wants_prompt_logprobs
+        ]  # fmt: skip
+        return [chunks[i].seq for i in rows], logits, prompt_rows
 
     def _flatten(
         self, chunks: list[ScheduledChunk]

@@ -174,6 +174,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
+            if seq.wants_prompt_logprobs:  # every prompt position must run through the model
+                blocks, num_cached = [], 0
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq.seq_id, num_cached + num_new, blocks):
                 break

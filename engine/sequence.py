@@ -7,7 +7,7 @@ A request with n > 1 becomes n sequences that share the prompt (and its cached b
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.block_hash import ExtraKey
 from common.sampling_params import SamplingParams
@@ -40,6 +40,20 @@ class Sequence:
     stop_token_id: int | None = None  # the EOS or stop_token_id that ended it
     num_preemptions: int = 0
     prefill_only: bool = False  # context worker: stop after the first token, keep the blocks
+    # The log-prob of prompt token i + 1 given the tokens up to i, and its top alternatives, for
+    # i = 0, 1, ... as far as computed (SamplingParams.prompt_logprobs); handed out with the
+    # first sampled token.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Has prompt log-probs still to compute (choice 0 only: the others share its prompt)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def params(self) -> SamplingParams:

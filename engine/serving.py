@@ -88,6 +88,7 @@ def to_delta(out: TokenOutput) -> TokenDelta:
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

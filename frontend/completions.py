@@ -163,12 +163,17 @@ def to_generate_requests(
             raise InvalidRequest("the prompt is empty", "prompt")
         if max(prompt) >= vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        # max_tokens 0 with echo scores the prompt (lm-eval's loglikelihood): one token is
+        # sampled, since a request always samples one, and left out of the answer
+        echo_only = body.echo and body.max_tokens == 0
+        requested = 1 if echo_only else body.max_tokens
         sampling = sampling_params(
             body,
             defaults=model.sampling_defaults,
             vocab_size=vocab_size,
-            max_tokens=max_tokens_for(body.max_tokens, len(prompt), max_model_len),
+            max_tokens=max_tokens_for(requested, len(prompt), max_model_len),
             logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo else None,
             logit_bias=bias,
             stop=stops,
             guided=constraint,
@@ -181,6 +186,7 @@ def to_generate_requests(
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             echo_prompt=text if body.echo else None,
+            echo_only=echo_only,
             response_id=request_id,
             index_offset=i * body.n,
             stop=stops,

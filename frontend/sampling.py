@@ -131,6 +131,7 @@ def sampling_params(
     logit_bias: dict[int, float] | None,
     stop: list[str],
     guided: GuidedDecoding | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams, validated; the route-specific fields are passed in."""
 
@@ -149,6 +150,7 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
         stop=stop,
         stop_token_ids=body.stop_token_ids,

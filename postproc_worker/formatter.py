@@ -110,11 +110,15 @@ class RequestState:
         self._model = options.model
         self._created = options.created
         self._echo = "" if self._chat else options.echo_prompt or ""
+        self._echo_only = options.echo_only
         self._num_logprobs = request.sampling.logprobs  # None: not asked for
+        # echo with logprobs: the prompt's tokens come first in each choice's logprobs
+        self._prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
         self._min_tokens = request.sampling.min_tokens  # stop strings are ignored before this many
         prompt = request.prompt_token_ids_b64
         prompt_token_ids = decode_token_ids(prompt) if prompt else []
         self.num_prompt_tokens = len(prompt_token_ids)
+        self._prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
         self._parser_error: ValueError | None = None  # raised by `add`: fails this request only
@@ -159,10 +163,14 @@ class RequestState:
         choice = self.choices[delta.index]
         self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             choice.engine_finished = True
         if choice.finish_reason is not None:
             return StepOutput()
+        if self._echo_only:  # max_tokens 0: the prompt is the whole answer
+            delta = msgspec.structs.replace(delta, token_ids=[], finish_reason="length")
         text = self._consume(choice, delta)
         if self._stream:
             data = self._stream_frames(choice, text)
@@ -215,6 +223,7 @@ class RequestState:
             parsed = self._parsed(choice, text, final=choice.finish_reason is not None)
             return self._anthropic.stream_frames(parsed, self._anthropic_usage())
         frames = b""
+        echoed = False  # this chunk carries the echoed prompt (and, with logprobs, its tokens)
         if not choice.started:
             choice.started = True
             if self._chat:
@@ -225,7 +234,7 @@ class RequestState:
                     )
                 )
             else:
-                text = self._echo + text
+                text, echoed = self._echo + text, True
         if self._chat:
             return frames + self._chat_frame(choice, text)
         if not text and choice.finish_reason is None:
@@ -234,7 +243,7 @@ class RequestState:
         completion_choice = CompletionChoice(
             index=choice.index + self._index_offset,
             text=text,
-            logprobs=self._completion_logprobs(records),
+            logprobs=self._completion_logprobs(records, with_prompt=echoed),
             finish_reason=choice.finish_reason,
         )
         return frames + self._sse(self._completion(completion_choice))
@@ -350,7 +359,7 @@ class RequestState:
                     CompletionChoice(
                         index=c.index + self._index_offset,
                         text=self._echo + "".join(c.text_parts),
-                        logprobs=self._completion_logprobs(c.logprobs),
+                        logprobs=self._completion_logprobs(c.logprobs, with_prompt=True),
                         finish_reason=c.finish_reason,
                     )
                     for c in self.choices
@@ -388,12 +397,17 @@ class RequestState:
 
     # --- logprobs ---------------------------------------------------------------------------------
 
-    def _completion_logprobs(self, records: list[TokenLogprob]) -> CompletionLogprobs | None:
-        """Legacy format: top_logprobs maps token text to logprob, sampled token always included."""
+    def _completion_logprobs(
+        self, records: list[TokenLogprob], *, with_prompt: bool = False
+    ) -> CompletionLogprobs | None:
+        """Legacy format: top_logprobs maps token text to logprob, sampled token always included;
+        `with_prompt` (the chunk or body that carries the echo): the prompt's tokens first."""
         if self._num_logprobs is None:
             return None
         text = self._tokenizer.token_text
         logprobs = CompletionLogprobs()
+        if with_prompt and self._echo and self._prompt_logprobs is not None:
+            self._add_prompt_logprobs(logprobs)
         for r in records:
             top = {text(t): _finite(lp) for t, lp in r.top[: self._num_logprobs]}
             top.setdefault(text(r.token_id), _finite(r.logprob))
@@ -402,6 +416,26 @@ class RequestState:
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(r.text_offset)
         return logprobs
+
+    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs) -> None:
+        """The echoed prompt's tokens: the first has no log-prob (nothing came before it)."""
+        assert self._prompt_logprobs is not None
+        text = self._tokenizer.token_text
+        offset = 0
+        for i, token_id in enumerate(self._prompt_token_ids):
+            token = text(token_id)
+            logprobs.tokens.append(token)
+            logprobs.text_offset.append(offset)
+            offset += len(token)
+            if i == 0 or i > len(self._prompt_logprobs):
+                logprobs.token_logprobs.append(None)
+                logprobs.top_logprobs.append(None)
+                continue
+            logprob, top = self._prompt_logprobs[i - 1]
+            alternatives = {text(t): _finite(lp) for t, lp in top[: self._num_logprobs]}
+            alternatives.setdefault(token, _finite(logprob))
+            logprobs.token_logprobs.append(_finite(logprob))
+            logprobs.top_logprobs.append(alternatives)
 
     def _chat_logprobs(self, records: list[TokenLogprob]) -> ChatLogprobs:
         k = self._num_logprobs or 0

@@ -195,3 +195,40 @@ def test_client_that_disconnects_mid_stream_frees_its_blocks(cluster: Cluster) -
     assert info.num_requests == 0
     for worker in info.workers:
         assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(tiny_model_path: Path) -> tuple[list[int], list[float]]:
+    """A prompt's ids and HF's log-prob of each of its tokens given the ones before."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids = tokenizer(SHARED_PREFIX + "what is a lease?").input_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ids, [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_like_hf(
+    cluster: Cluster, hf_prompt_logprobs, stream: bool
+) -> None:
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0. It got every log-prob 0
+    (accuracy 1, perplexity 1) before; now the prompt's own log-probs, HF's to 1e-3."""
+    ids, expected = hf_prompt_logprobs
+    options = {"echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    if stream:
+        chunks = list(client(cluster).completions.create(model=MODEL, prompt=ids, stream=True,
+                                                          **options))  # fmt: skip
+        choice = chunks[0].choices[0]
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+    else:
+        result = client(cluster).completions.create(model=MODEL, prompt=ids, **options)
+        choice = result.choices[0]
+        assert result.usage is not None and result.usage.completion_tokens == 0
+        assert choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert logprobs is not None and len(logprobs.tokens) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens) == choice.text  # the echo, token by token
