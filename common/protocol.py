@@ -72,6 +72,11 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     prompt_token_ids_b64: str = ""  # for echo / logprobs of the prompt and usage
     echo_only: bool = False  # max_tokens 0 with echo: the one token sampled is not output
+    # best_of > n: the engine samples best_of choices (with log-probs, to rank them); the answer
+    # holds the `keep_best` with the highest cumulative log-prob, and `output_logprobs` (the
+    # client's own `logprobs`, None: none) decides what is shown. 0: every choice, as sampled.
+    keep_best: int = 0
+    output_logprobs: int | None = None
     parser_state: dict[str, object] = msgspec.field(
         default_factory=dict
     )  # reasoning / tool parsers

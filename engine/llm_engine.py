@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from common.block_hash import ExtraKey
@@ -143,8 +144,10 @@ class LLMEngine:
         num_cached_tokens: int,
         extra_keys: tuple[ExtraKey, ...],
     ) -> list[Sequence]:
-        """The sequences of the unfinished choices, each holding its first token."""
+        """The sequences of the unfinished choices, each holding its first token. The prompt's
+        log-probs, if asked for, went out with that token from the worker that sampled it."""
         self._validate(request_id, prompt_token_ids, params)
+        params = msgspec.structs.replace(params, prompt_logprobs=None)
         seqs = []
         for index, token_id in sorted(first_tokens.items()):
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)

@@ -92,7 +92,7 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
     elif prompt and all(isinstance(p, str) for p in prompt):
         texts = prompt
     if texts:
-        _check_count(len(texts), body.n)
+        _check_count(len(texts), body.best_of or body.n)
         for text in texts:
             model.check_prompt_chars(len(text), "prompt")
         return [(tokenizer.encode(text), text) for text in texts]
@@ -101,7 +101,7 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
         _check_ids(prompt, model, "prompt")
         return [(list(prompt), tokenizer.decode(prompt, skip_special_tokens=False))]
     if prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-        _check_count(len(prompt), body.n)
+        _check_count(len(prompt), body.best_of or body.n)
         for ids in prompt:
             _check_ids(ids, model, "prompt")
         return [(list(p), tokenizer.decode(p, skip_special_tokens=False)) for p in prompt]
@@ -146,6 +146,9 @@ def to_generate_requests(
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
     if body.best_of is not None and body.best_of < body.n:
         raise InvalidRequest(f"best_of ({body.best_of}) must be >= n ({body.n})", "best_of")
+    ranked = body.best_of is not None and body.best_of > body.n
+    if ranked and body.stream:
+        raise InvalidRequest("best_of cannot be streamed: the best are known at the end", "best_of")
     check_logprobs(body.logprobs, "logprobs")
     constraint = from_guided_fields(
         body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
@@ -168,11 +171,11 @@ def to_generate_requests(
         echo_only = body.echo and body.max_tokens == 0
         requested = 1 if echo_only else body.max_tokens
         sampling = sampling_params(
-            body,
+            msgspec.structs.replace(body, n=body.best_of) if ranked else body,
             defaults=model.sampling_defaults,
             vocab_size=vocab_size,
             max_tokens=max_tokens_for(requested, len(prompt), max_model_len),
-            logprobs=body.logprobs,
+            logprobs=(body.logprobs or 0) if ranked else body.logprobs,  # ranked by log-prob
             prompt_logprobs=body.logprobs if body.echo else None,
             logit_bias=bias,
             stop=stops,
@@ -187,6 +190,8 @@ def to_generate_requests(
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             echo_prompt=text if body.echo else None,
             echo_only=echo_only,
+            keep_best=body.n if ranked else 0,
+            output_logprobs=body.logprobs,
             response_id=request_id,
             index_offset=i * body.n,
             stop=stops,

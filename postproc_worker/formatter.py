@@ -111,7 +111,12 @@ class RequestState:
         self._created = options.created
         self._echo = "" if self._chat else options.echo_prompt or ""
         self._echo_only = options.echo_only
-        self._num_logprobs = request.sampling.logprobs  # None: not asked for
+        self._record_logprobs = request.sampling.logprobs is not None  # to show, or to rank
+        # None: not asked for (best_of ranks by log-probs the client may not have asked for)
+        self._num_logprobs = (
+            options.output_logprobs if options.keep_best else request.sampling.logprobs
+        )
+        self._keep_best = options.keep_best
         # echo with logprobs: the prompt's tokens come first in each choice's logprobs
         self._prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
         self._min_tokens = request.sampling.min_tokens  # stop strings are ignored before this many
@@ -163,8 +168,8 @@ class RequestState:
         choice = self.choices[delta.index]
         self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.prompt_logprobs is not None:
-            self._prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = delta.prompt_logprobs  # sent once, with the first token
         if delta.finish_reason is not None:
             choice.engine_finished = True
         if choice.finish_reason is not None:
@@ -192,7 +197,7 @@ class RequestState:
         last = len(delta.token_ids) - 1
         for k, token_id in enumerate(delta.token_ids):
             choice.num_tokens += 1
-            if self._num_logprobs is not None and delta.logprobs is not None:
+            if self._record_logprobs and delta.logprobs is not None:
                 top = delta.top_logprobs[k] if delta.top_logprobs is not None else []
                 offset = len(self._echo) + choice.detokenizer.num_chars
                 choice.logprobs.append(TokenLogprob(token_id, delta.logprobs[k], top, offset))
@@ -357,16 +362,24 @@ class RequestState:
                 model=self._model,
                 choices=[
                     CompletionChoice(
-                        index=c.index + self._index_offset,
+                        index=index + self._index_offset,
                         text=self._echo + "".join(c.text_parts),
                         logprobs=self._completion_logprobs(c.logprobs, with_prompt=True),
                         finish_reason=c.finish_reason,
                     )
-                    for c in self.choices
+                    for index, c in enumerate(self._answered_choices())
                 ],
-                usage=self._usage(),
+                usage=self._usage(),  # every sampled choice counts, the unshown best_of too
             )
         )
+
+    def _answered_choices(self) -> list[ChoiceState]:
+        """The choices the answer holds: all, or best_of's `keep_best` highest cumulative
+        log-probs, best first."""
+        if not self._keep_best:
+            return self.choices
+        ranked = sorted(self.choices, key=lambda c: -sum(r.logprob for r in c.logprobs))
+        return ranked[: self._keep_best]
 
     def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
         text = "".join(choice.text_parts)

@@ -133,8 +133,11 @@ def test_echo_logprobs_and_best_of(oai) -> None:
     )
     choice = result.choices[0]
     assert choice.text.startswith(prompt)
-    assert len(choice.logprobs.tokens) == result.usage.completion_tokens
-    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+    usage = result.usage
+    # the echoed prompt's tokens come first (the first has no log-prob), then the completion's
+    assert len(choice.logprobs.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs[1:])
 
 
 @pytest.mark.parametrize(
@@ -343,3 +346,19 @@ def test_models_retrieve(oai) -> None:
     assert oai.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(oai) -> None:
+    """best_of was validated and then ignored; now best_of choices are sampled and the n with
+    the highest cumulative log-prob are returned, usage counting every sample."""
+    options = {"model": MODEL, "prompt": TEST_PROMPTS[0], "max_tokens": 8, "temperature": 1.0,
+               "seed": 11, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    samples = oai.completions.create(n=4, logprobs=0, **options)  # the same seeds per choice
+    scores = {c.text: sum(c.logprobs.token_logprobs) for c in samples.choices}
+    best = oai.completions.create(n=1, best_of=4, **options)
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+    assert best.choices[0].text == max(scores, key=scores.__getitem__)
+    assert best.choices[0].logprobs is None  # not asked for: ranked by them, not shown
+    assert best.usage is not None and best.usage.completion_tokens == 4 * 8
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(n=1, best_of=2, stream=True, **options)
