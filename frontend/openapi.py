@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from common.errors import ErrorResponse
+from common.errors import AnthropicErrorResponse, ErrorResponse
 from common.openai_schema import ChatCompletion, Completion
 from frontend.anthropic import CountTokensRequest, MessagesRequest
 from frontend.chat import ChatCompletionRequest
@@ -51,12 +51,16 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
 @cache
 def openapi_document() -> dict[str, Any]:
     types = [t for _, _, request, response in ROUTES.values() for t in (request, response) if t]
-    refs, components = msgspec.json.schema_components([*types, ErrorResponse], ref_template=REF)
-    by_type = dict(zip([*types, ErrorResponse], refs, strict=True))
-    error = {
-        "description": "An error, in OpenAI's shape",
-        "content": {"application/json": {"schema": by_type[ErrorResponse]}},
-    }
+    errors = [ErrorResponse, AnthropicErrorResponse]
+    refs, components = msgspec.json.schema_components([*types, *errors], ref_template=REF)
+    by_type = dict(zip([*types, *errors], refs, strict=True))
+
+    def error(shape: type, api: str) -> dict[str, Any]:
+        return {
+            "description": f"An error, in {api}'s shape",
+            "content": {"application/json": {"schema": by_type[shape]}},
+        }
+
     paths: dict[str, Any] = {}
     for path, (method, summary, request, response) in ROUTES.items():
         ok: dict[str, Any] = {"description": "OK"}
@@ -65,7 +69,15 @@ def openapi_document() -> dict[str, Any]:
                 "application/json": {"schema": by_type[response]},
                 "text/event-stream": {"schema": {"type": "string"}},
             }
-        operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, "default": error}}
+        failed = (
+            error(AnthropicErrorResponse, "Anthropic")
+            if path.startswith("/v1/messages")
+            else error(ErrorResponse, "OpenAI")
+        )
+        operation: dict[str, Any] = {
+            "summary": summary,
+            "responses": {"200": ok, "default": failed},
+        }
         names = re.findall(r"{(\w+)}", path)
         if names:
             operation["parameters"] = [
