@@ -40,7 +40,7 @@ TINY = BuiltinModel(
 )
 SMOLLM2_135M = BuiltinModel(
     name="builtin:smollm2-135m",
-    directory="smollm2-135m-instruct-v1",
+    directory="smollm2-135m-instruct-v2",
     per_dtype=True,
     tool_parser="hermes",
     summary="SmolLM2-135M-Instruct (Llama, 30 layers), 538 MB in float32, 269 MB in bfloat16",

@@ -34,6 +34,7 @@ import numpy as np
 
 from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
+from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 2
@@ -60,7 +61,7 @@ def decode_token_ids(b64: str) -> list[int]:
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How the postproc worker turns this request's tokens into OpenAI (or Anthropic) bytes."""
 
-    kind: Literal["completion", "chat", "anthropic"] = "completion"
+    kind: Literal["completion", "chat", "anthropic", "responses"] = "completion"
     model: str = ""
     created: int = 0
     stream: bool = False
@@ -77,6 +78,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     # client's own `logprobs`, None: none) decides what is shown. 0: every choice, as sampled.
     keep_best: int = 0
     output_logprobs: int | None = None
+    responses: ResponseSettings | None = None  # kind "responses": the settings it echoes
     parser_state: dict[str, object] = msgspec.field(
         default_factory=dict
     )  # reasoning / tool parsers

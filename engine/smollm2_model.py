@@ -9,8 +9,7 @@ transformers (with the gguf package) dequantizes it and converts the tokenizer; 
 is what `save_pretrained` would write for a normal checkpoint (it refuses a GGUF-loaded model):
 
     config.json               LlamaForCausalLM, no quantization_config, dtype as stored
-    generation_config.json    eos <|im_end|> (2), pad <|im_end|>, bos <|im_start|> (1), and the
-                              model card's sampling: temperature 0.2, top_p 0.9
+    generation_config.json    eos <|im_end|> (2), pad <|im_end|>, bos <|im_start|> (1), greedy
     tokenizer.json, tokenizer_config.json, chat_template.jinja    (the GGUF's own template)
     model.safetensors         float32 (or bfloat16), lm_head omitted: tied to the embedding
 
@@ -77,16 +76,10 @@ def build_smollm2(path: Path, *, dtype: str = "float32") -> Path:
     progress(f"smollm2-135m: [3/4] dequantized in {time.perf_counter() - start:.0f} s")
     config = _plain_config(model.config.to_diff_dict(), dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    # The model card's sampling (temperature 0.2, top_p 0.9): the server's defaults for requests
-    # that leave them out; at 1.0 a model this small rambles.
-    generation = {
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 2,
-        "do_sample": True,
-        "temperature": 0.2,
-        "top_p": 0.9,
-    }
+    # Greedy by default (do_sample false, as transformers reads it): the server's default for
+    # requests that leave temperature out. A model this small rambles at 1.0, and even at the
+    # model card's 0.2 it often starts "The capital of France is" as "L'Étoile, la ...".
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     progress(f"smollm2-135m: [4/4] writing model.safetensors ({dtype})")

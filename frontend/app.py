@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,11 +25,12 @@ from common.config import ClusterConfig
 from common.errors import InvalidRequest, validation_location
 from common.protocol import Chunk, GenerateRequest, OutputOptions, encode, encode_token_ids
 from common.sampling_params import SamplingParams
-from frontend import anthropic, chat, completions, metrics
+from frontend import anthropic, chat, completions, metrics, responses
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
 from frontend.openapi import openapi_document
+from frontend.response_store import ResponseStore
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
 HEALTH_TIMEOUT_S = 1.0
@@ -72,6 +73,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         {"context"} if config.mode == "disaggregated" else set()
     )
     max_body = config.frontend.max_body_bytes
+    store = ResponseStore(config.frontend.responses_store)
     request_timeout_s = config.frontend.request_timeout_seconds
 
     async def decode_body(request: Request, schema: type[T]) -> T:
@@ -142,6 +144,51 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         return await serve(
             request, client, generates, media="anthropic", timeout_s=request_timeout_s
         )
+
+    async def create_response(request: Request) -> Response:
+        body = await decode_body(request, responses.ResponsesRequest)
+        check_model(body.model)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            stored = await off_loop(store.get, body.previous_response_id)
+            if stored is None:
+                raise _NotFound(f"no stored response {body.previous_response_id!r}",
+                                "previous_response_id", "response_not_found")  # fmt: skip
+            history = stored[1]
+        generates = await translate(
+            lambda: [responses.to_generate_request(body, history, model, client.reply_to)]
+        )
+        answer = await serve(
+            request, client, generates, media="responses", timeout_s=request_timeout_s
+        )
+        if not body.store or answer.status_code != 200:
+            return answer
+        turns = [*history, *responses.input_messages(body.input)]
+        if isinstance(answer, StreamingResponse):
+            answer.body_iterator = _store_when_done(answer.body_iterator, turns)
+        else:
+            await off_loop(store.put, bytes(answer.body), turns)
+        return answer
+
+    async def _store_when_done(frames: Any, turns: list[dict[str, Any]]) -> AsyncIterator[Any]:
+        """Relay a response's events; the final one (completed or incomplete) is stored."""
+        async for frame in frames:
+            yield frame
+            final = responses_format_final(frame)
+            if final is not None:
+                await off_loop(store.put, final, turns)
+
+    async def retrieve_response(request: Request) -> Response:
+        stored = await off_loop(store.get, request.path_params["response_id"])
+        if stored is None:
+            raise _NotFound("no such stored response", "response_id", "response_not_found")
+        return Response(stored[0], media_type="application/json")
+
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await off_loop(store.delete, response_id):
+            raise _NotFound("no such stored response", "response_id", "response_not_found")
+        return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def count_message_tokens(request: Request) -> Response:
         body = await decode_body(request, anthropic.CountTokensRequest)
@@ -255,6 +302,9 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
@@ -312,6 +362,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     media = media_of(request.url.path)
     return error_response(500, "internal error", code="internal_error", media=media)
+
+
+def responses_format_final(frame: bytes) -> bytes | None:
+    """The Response JSON in a stream's final event (response.completed / .incomplete), if
+    `frame` holds it."""
+    for marker in (b"event: response.completed\ndata: ", b"event: response.incomplete\ndata: "):
+        start = frame.find(marker)
+        if start >= 0:
+            event = msgspec.json.decode(frame[start + len(marker) :].split(b"\n", 1)[0])
+            return msgspec.json.encode(event["response"])
+    return None
 
 
 def _json(payload: object) -> Response:

@@ -79,6 +79,11 @@ def error_frame(event: Event, media: str) -> bytes:
     body = _error_body(event, media)
     if media == "anthropic":
         return b"event: error\ndata: " + body + b"\n\n"
+    if media == "responses":  # the Responses API's error event: the error's fields, typed
+        detail = msgspec.json.decode(body)["error"]
+        event_body = {"type": "error", "code": detail["code"], "message": detail["message"],
+                      "param": detail["param"], "sequence_number": 0}  # fmt: skip
+        return b"event: error\ndata: " + msgspec.json.encode(event_body) + b"\n\n"
     return b"data: " + body + b"\n\n" + SSE_DONE
 
 

@@ -15,6 +15,7 @@ from common.openai_schema import ChatCompletion, Completion
 from frontend.anthropic import CountTokensRequest, MessagesRequest
 from frontend.chat import ChatCompletionRequest
 from frontend.completions import CompletionRequest
+from frontend.responses import ResponsesRequest
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{name}"
@@ -35,6 +36,8 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
         CountTokensRequest,
         None,
     ),
+    "/v1/responses": ("post", "Create a response (OpenAI Responses API)", ResponsesRequest, None),
+    "/v1/responses/{response_id}": ("get", "A stored response (DELETE removes it)", None, None),
     "/v1/tokenize": ("post", "Tokenize a prompt or messages", TokenizeRequest, None),
     "/v1/detokenize": ("post", "Turn token ids into text", DetokenizeRequest, None),
     "/v1/models": ("get", "List the served model", None, None),

@@ -2,8 +2,9 @@
 checks every generation route shares (context length, vocabulary).
 
 A sampling field the request leaves out (or sends as null) takes the model's default from its
-generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does, and
-otherwise OpenAI's: temperature 1.0, top_p 1.0. `frontend.sampling_defaults: openai` ignores the
+generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; an explicit
+`do_sample: false` means greedy), as vLLM does, and otherwise OpenAI's: temperature 1.0, top_p
+1.0. `frontend.sampling_defaults: openai` ignores the
 model's. n is 1, max_tokens 16 for completions, and for chat "up to the context" (OpenAI's
 max_completion_tokens).
 """
@@ -40,11 +41,15 @@ class SamplingDefaults:
 
     @classmethod
     def of_model(cls, model_dir: Path) -> SamplingDefaults:
-        """The fields generation_config.json sets (whatever its do_sample says, as in vLLM)."""
+        """The fields generation_config.json sets, as vLLM reads them; an explicit
+        `do_sample: false` makes greedy the default, as it does for transformers' generate."""
         path = model_dir / "generation_config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
         known = {f.name: f.type for f in fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in known and v is not None})
+        values = {k: v for k, v in config.items() if k in known and v is not None}
+        if config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return cls(**values)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

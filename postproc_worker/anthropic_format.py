@@ -67,6 +67,8 @@ class AnthropicRenderer:
     """The bytes of one Message, streamed or not. Streaming, it keeps which block is open: a
     block closes when output of another kind (or another tool call) begins."""
 
+    usage = staticmethod(usage)
+
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id = message_id
         self.model = model

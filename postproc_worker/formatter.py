@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from common.anthropic_schema import Usage as AnthropicUsage
 from common.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -41,8 +41,9 @@ from common.openai_schema import (
     Usage,
 )
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_token_ids
+from common.responses_schema import ResponseSettings
 from common.tokenizer import Tokenizer
-from postproc_worker import anthropic_format
+from postproc_worker import anthropic_format, responses_format
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.parsers import ChoiceParsers, ParsedText, ParserState, special_texts
 from postproc_worker.stop_strings import StopStringMatcher
@@ -90,6 +91,24 @@ class ChoiceState:
     started: bool = False  # streaming: the first chunk (role, or echo) went out
 
 
+# The other APIs' shapes, each in its own module behind one contract: stream_frames(parsed, usage),
+# end_frames(finish_reason, stop_sequence, called_tools, usage), body(parsed, ...), usage(...).
+Renderer = anthropic_format.AnthropicRenderer | responses_format.ResponsesRenderer
+
+
+def _renderer(request: GenerateRequest) -> Renderer | None:
+    """The renderer of a request's API; None for completions and chat, rendered here."""
+    options = request.output
+    if options.kind == "anthropic":
+        return anthropic_format.AnthropicRenderer(request.request_id, options.model)
+    if options.kind == "responses":
+        settings = options.responses or ResponseSettings()
+        return responses_format.ResponsesRenderer(
+            request.request_id, options.model, options.created, settings
+        )
+    return None
+
+
 class RequestState:
     """Everything the postproc worker keeps for one request, built from its GenerateRequest."""
 
@@ -100,11 +119,7 @@ class RequestState:
         self._index_offset = options.index_offset
         self._tokenizer = tokenizer
         self._chat = options.kind == "chat"
-        self._anthropic = (  # None: an OpenAI kind
-            anthropic_format.AnthropicRenderer(request.request_id, options.model)
-            if options.kind == "anthropic"
-            else None
-        )
+        self._renderer = _renderer(request)  # None: completions and chat, rendered here
         self._stream = options.stream
         self._include_usage = options.include_usage
         self._model = options.model
@@ -224,9 +239,9 @@ class RequestState:
     # --- streaming --------------------------------------------------------------------------------
 
     def _stream_frames(self, choice: ChoiceState, text: str) -> bytes:
-        if self._anthropic is not None:
+        if self._renderer is not None:
             parsed = self._parsed(choice, text, final=choice.finish_reason is not None)
-            return self._anthropic.stream_frames(parsed, self._anthropic_usage())
+            return self._renderer.stream_frames(parsed, self._renderer_usage())
         frames = b""
         echoed = False  # this chunk carries the echoed prompt (and, with logprobs, its tokens)
         if not choice.started:
@@ -285,13 +300,13 @@ class RequestState:
         return "tool_calls" if self._called_tools(choice) else choice.finish_reason
 
     def _final_frames(self) -> bytes:
-        if self._anthropic is not None:
+        if self._renderer is not None:
             choice = self.choices[0]
-            return self._anthropic.end_frames(
+            return self._renderer.end_frames(
                 choice.finish_reason,
                 choice.stop.matched,
                 self._called_tools(choice),
-                self._anthropic_usage(),
+                self._renderer_usage(),
             )
         frames = b""
         if self._include_usage:
@@ -335,15 +350,15 @@ class RequestState:
     # --- non-streaming ----------------------------------------------------------------------------
 
     def _final_body(self) -> bytes:
-        if self._anthropic is not None:
+        if self._renderer is not None:
             choice = self.choices[0]
             parsed = self._parsed(choice, "".join(choice.text_parts), final=True)
-            return self._anthropic.body(
+            return self._renderer.body(
                 parsed,
                 choice.finish_reason,
                 choice.stop.matched,
                 self._called_tools(choice),
-                self._anthropic_usage(),
+                self._renderer_usage(),
             )
         if self._chat:
             return _json.encode(
@@ -403,8 +418,9 @@ class RequestState:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
         )
 
-    def _anthropic_usage(self) -> AnthropicUsage:
-        return anthropic_format.usage(
+    def _renderer_usage(self) -> Any:
+        assert self._renderer is not None
+        return self._renderer.usage(
             self.num_prompt_tokens, self.num_cached_tokens, self.choices[0].num_tokens
         )
 

@@ -24,7 +24,9 @@ def cluster(start_cluster) -> Cluster:
 def keep_it_short(body: object) -> None:
     """Valid bodies generate for real: cap what would take minutes on a CPU."""
     if isinstance(body, dict):
-        for key, cap in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2)):
+        caps = (("max_tokens", 8), ("max_completion_tokens", 8), ("max_output_tokens", 8), ("n", 2),
+                ("best_of", 2))  # fmt: skip
+        for key, cap in caps:
             if isinstance(body.get(key), int) and body[key] > cap:
                 body[key] = cap
         body.pop("min_tokens", None)

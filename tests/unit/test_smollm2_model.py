@@ -24,7 +24,7 @@ def test_the_directory_is_a_plain_llama_checkpoint(smollm2_path: Path) -> None:
     assert config["tie_word_embeddings"] and config["rms_norm_eps"] == 1e-5
     assert "<|im_start|>" in (smollm2_path / "chat_template.jinja").read_text()
     generation = json.loads((smollm2_path / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == 2 and generation["temperature"] == 0.2
+    assert generation["eos_token_id"] == 2 and generation["do_sample"] is False  # greedy default
 
 
 def test_a_rebuild_gives_the_recorded_bytes(smollm2_path: Path, tmp_path: Path) -> None:
