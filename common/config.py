@@ -38,8 +38,8 @@ class FrontendConfig(_Section, frozen=True):
     # A request not finished this long after it arrived is aborted everywhere and answered with a
     # 504 (or, once streaming, a final error event): no request waits on a stuck part for good.
     request_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    # Stored responses (POST /v1/responses with store: true): one SQLite file per host, shared
-    # by its frontend processes
+    # Stored responses (POST /v1/responses with store: true): a SQLite file, one per host and
+    # shared by its frontend processes, or redis://host:port/db for frontends on several hosts
     responses_store: str = "~/.cache/pdcluster/responses.sqlite3"
 
 

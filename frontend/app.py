@@ -30,7 +30,7 @@ from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
 from frontend.openapi import openapi_document
-from frontend.response_store import ResponseStore
+from frontend.response_store import open_store
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
 HEALTH_TIMEOUT_S = 1.0
@@ -73,7 +73,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         {"context"} if config.mode == "disaggregated" else set()
     )
     max_body = config.frontend.max_body_bytes
-    store = ResponseStore(config.frontend.responses_store)
+    store = open_store(config.frontend.responses_store)
     request_timeout_s = config.frontend.request_timeout_seconds
 
     async def decode_body(request: Request, schema: type[T]) -> T:

@@ -1,10 +1,14 @@
 """Stored responses (`store: true`): for GET / DELETE /v1/responses/{id} and for
 `previous_response_id`, which continues the conversation a stored response ended.
 
-One SQLite database per host (`frontend.responses_store`), shared by all frontend processes of
-the host (WAL mode; a connection per operation, run off the event loop). Each row keeps the
-Response JSON as sent, and the conversation as chat turns (the request's turns, then the
-response's output as an assistant turn), which is what a follow-up request is rendered from.
+Each stored response keeps the Response JSON as sent, and the conversation as chat turns (the
+request's turns, then the response's output as an assistant turn), which is what a follow-up
+request is rendered from. Two backends behind one contract (put / get / delete), chosen by
+`frontend.responses_store`:
+
+    a file path        SQLite, one file per host, shared by the host's frontend processes (WAL;
+                       a connection per operation, run off the event loop)
+    redis://host:port  Redis, for frontends on several hosts (a key per response)
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import sqlite3
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+import redis
 
 from common.responses_schema import FunctionCallItem, MessageItem, Response
+
+Turns = list[dict[str, Any]]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -28,10 +35,29 @@ CREATE TABLE IF NOT EXISTS responses (
     turns TEXT NOT NULL       -- the conversation as chat turns, output included
 )
 """
+REDIS_PREFIX = "pdcluster:response:"
 
 
-def output_turns(response: Response) -> list[dict[str, Any]]:
-    """The response's output as the assistant turn a follow-up request starts from."""
+class ResponseStore(Protocol):
+    def put(self, body: bytes, turns: Turns) -> None:
+        """Store a finished response; `turns`: the conversation that made it (its input)."""
+
+    def get(self, response_id: str) -> tuple[bytes, Turns] | None:
+        """(the Response JSON, the conversation with its output), or None."""
+
+    def delete(self, response_id: str) -> bool: ...
+
+
+def open_store(location: str) -> ResponseStore:
+    if location.startswith(("redis://", "rediss://")):
+        return RedisStore(location)
+    return SqliteStore(location)
+
+
+def conversation(body: bytes, turns: Turns) -> tuple[str, str]:
+    """(the response id, the conversation it ends as JSON): `turns` and the output as an
+    assistant turn."""
+    response = msgspec.json.decode(body, type=Response)
     text = "".join(
         part.text for item in response.output if isinstance(item, MessageItem)
         for part in item.content
@@ -45,10 +71,10 @@ def output_turns(response: Response) -> list[dict[str, Any]]:
     turn: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         turn["tool_calls"] = calls
-    return [turn]
+    return response.id, json.dumps([*turns, turn])
 
 
-class ResponseStore:
+class SqliteStore:
     def __init__(self, path: str) -> None:
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,17 +85,15 @@ class ResponseStore:
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10)
 
-    def put(self, body: bytes, turns: list[dict[str, Any]]) -> None:
-        """Store a finished response; `turns`: the conversation that made it (its input)."""
-        response = msgspec.json.decode(body, type=Response)
-        conversation = json.dumps([*turns, *output_turns(response)])
+    def put(self, body: bytes, turns: Turns) -> None:
+        response_id, turns_json = conversation(body, turns)
         with closing(self._connect()) as db, db:
             db.execute(
                 "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
-                (response.id, int(time.time()), body, conversation),
+                (response_id, int(time.time()), body, turns_json),
             )
 
-    def get(self, response_id: str) -> tuple[bytes, list[dict[str, Any]]] | None:
+    def get(self, response_id: str) -> tuple[bytes, Turns] | None:
         with closing(self._connect()) as db:
             row = db.execute(
                 "SELECT response, turns FROM responses WHERE id = ?", (response_id,)
@@ -79,3 +103,25 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         with closing(self._connect()) as db, db:
             return db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+
+
+class RedisStore:
+    """A hash per response (fields `response`, `turns`); the client pools its connections."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url, socket_timeout=10)
+
+    def put(self, body: bytes, turns: Turns) -> None:
+        response_id, turns_json = conversation(body, turns)
+        self.client.hset(
+            REDIS_PREFIX + response_id, mapping={"response": body, "turns": turns_json}
+        )
+
+    def get(self, response_id: str) -> tuple[bytes, Turns] | None:
+        body, turns = self.client.hmget(REDIS_PREFIX + response_id, ["response", "turns"])
+        if not isinstance(body, bytes) or not isinstance(turns, bytes):
+            return None
+        return body, json.loads(turns)
+
+    def delete(self, response_id: str) -> bool:
+        return bool(self.client.delete(REDIS_PREFIX + response_id))

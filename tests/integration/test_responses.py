@@ -10,9 +10,11 @@ import json
 import httpx
 import openai
 import pytest
+import redis
 
 from tests.integration import openai_spec
 from tests.integration.harness import MODEL, Cluster
+from tests.redis_server import redis_server
 
 MAX_NEW = 16
 WEATHER = {
@@ -157,3 +159,18 @@ def test_what_it_cannot_serve_is_a_400_that_says_why(cluster: Cluster, fields, s
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"], response.text
     openai_spec.check("ErrorResponse", response.json())
+
+
+def test_frontends_sharing_a_redis_store_continue_each_others_responses(start_cluster) -> None:
+    """responses_store: redis:// for frontends on several hosts: two frontend processes (the
+    port's connections split between them) read what the other stored."""
+    with redis_server() as url:
+        shared = start_cluster("aggregated", frontend=f'processes: 2, responses_store: "{url}"')
+        client = openai.OpenAI(base_url=shared.base_url, api_key="x", timeout=60, max_retries=0)
+        ids = [respond(client, input=f"Question {i}.").id for i in range(4)]
+        for response_id in ids:  # whichever frontend answers, every one is there
+            follow_up = respond(client, input="Go on.", previous_response_id=response_id)
+            assert follow_up.previous_response_id == response_id
+            assert client.responses.retrieve(response_id).id == response_id
+        stored = redis.Redis.from_url(url).keys("pdcluster:response:*")
+        assert len(stored) == 2 * len(ids)
