@@ -86,6 +86,23 @@ def required_tool_calls(
     )
 
 
+def answer_or_tool_calls(
+    answer_schema: dict[str, Any], functions: list[dict[str, Any]], tags_are_tokens: bool = True
+) -> GuidedDecoding:
+    """Either the answer, under its JSON schema, or one or more calls of the tools."""
+    answer = {**answer_schema, "x-guidance": _COMPACT}
+    calls = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
+    begin, end = _call_tags(tags_are_tokens)
+    text = (
+        'start: answer | call ("\\n" call)*\n'
+        f"answer: %json {json.dumps(answer)}\n"
+        f"call: {begin} %json {json.dumps(calls)} {end}\n"
+    )
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_lark(text), source="response_format"
+    )
+
+
 def named_tool_call(function: dict[str, Any], tags_are_tokens: bool = True) -> GuidedDecoding:
     """The rest of one call of `function` after the injected TOOL_CALL_BEGIN."""
     schema = json.dumps({**tool_call_schema(function), "x-guidance": _COMPACT})

@@ -32,7 +32,14 @@ from frontend.sampling import (
     sampling_params,
     stop_list,
 )
-from frontend.structured import ResponseFormat, ToolPlan, combine, from_guided_fields, plan_tools
+from frontend.structured import (
+    ResponseFormat,
+    ToolPlan,
+    answer_schema,
+    combine,
+    from_guided_fields,
+    plan_tools,
+)
 from frontend.tool_prompt import fold_tools
 
 
@@ -273,6 +280,7 @@ def to_generate_request(
         from_guided_fields(
             body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
         ),
+        answer_schema(body.response_format, body.guided_json),
     )
     if constraint is not None:
         check(constraint, model.ll_tokenizer())

@@ -36,6 +36,9 @@ class ToolPlan:
     parse_tools: bool = False  # run the tool-call parser on the output
     in_tool_call: bool = False  # the output starts inside a call (the prefix opened it)
     stop: tuple[str, ...] = ()  # stop strings to add (the end of the one allowed call)
+    # tool_choice auto: the functions, for a grammar that also lets the answer take a format
+    functions: tuple[dict[str, Any], ...] = ()
+    tags_are_tokens: bool = True
 
 
 def from_guided_fields(
@@ -104,6 +107,8 @@ def plan_tools(
             guided=guided.triggered_tool_calls(strict) if strict else None,
             parse_tools=True,
             stop=() if parallel else (guided.TOOL_CALL_END,),
+            functions=tuple(functions),
+            tags_are_tokens=tags_are_tokens,
         )
     if tool_choice == "required":
         return ToolPlan(
@@ -128,7 +133,37 @@ def plan_tools(
     )
 
 
-def combine(tool_plan: ToolPlan, other: GuidedDecoding | None) -> GuidedDecoding | None:
+def answer_schema(
+    response_format: ResponseFormat | None, guided_json: dict[str, Any] | str | None
+) -> dict[str, Any] | None:
+    """The JSON schema the answer's text must follow, when the constraint is one (the others,
+    regex and Lark, cannot be joined with tool calls)."""
+    if response_format is not None and response_format.type == "json_object":
+        return {"type": "object"}
+    if response_format is not None and response_format.type == "json_schema":
+        return (response_format.json_schema or {}).get("schema")
+    if isinstance(guided_json, dict):
+        return guided_json
+    return None
+
+
+def combine(
+    tool_plan: ToolPlan, other: GuidedDecoding | None, schema: dict[str, Any] | None = None
+) -> GuidedDecoding | None:
+    """The one grammar of a request.
+
+    - a forced call (required, named) leaves no text for a response_format to shape: the call's
+      grammar is the answer's (as with OpenAI, where the format shapes the final text turn);
+    - tool_choice auto beside a JSON format (`schema`): the answer in that format, or calls
+      (what an agent with tools and an output type asks for on every turn);
+    - auto with strict tools beside a regex or Lark constraint: refused.
+    """
+    if tool_plan.guided is not None and tool_plan.guided.source == "tool_choice":
+        return tool_plan.guided
+    if tool_plan.parse_tools and other is not None and schema is not None:
+        return guided.answer_or_tool_calls(
+            schema, list(tool_plan.functions), tool_plan.tags_are_tokens
+        )
     if tool_plan.guided is not None and other is not None:
         raise InvalidRequest(
             f"{other.source} cannot be combined with tool_choice {tool_plan.guided.source!r}: "

@@ -150,16 +150,26 @@ def test_completions_guided_regex(oai) -> None:
     assert len(result.choices[0].text) == 7 and result.choices[0].text[4] == "-"
 
 
+def test_a_forced_call_beside_a_response_format_is_the_call(oai) -> None:
+    """The call's grammar is the answer's: no text is left for the format to shape (the
+    openai-agents SDK sends both: tool_choice required and its output type)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    result = chat(oai, tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"})
+    (call,) = result.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)
+
+
 @pytest.mark.parametrize(
     ("options", "param"),
     [
         (
             {
-                "tools": [WEATHER],
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                "response_format": {"type": "json_object"},
+                "tools": [
+                    {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+                ],
+                "guided_regex": "[0-9]+",
             },
-            "response_format",
+            "guided_regex",
         ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},

@@ -159,3 +159,27 @@ def test_forced_calls_use_text_tags_where_the_tokenizer_has_no_tag_tokens(
         assert not accepts(spec, call.replace("get_weather", "get_time"))
     named = guided.named_tool_call(WEATHER, tags_are_tokens=False)
     assert accepts(named, call.removeprefix(guided.TOOL_CALL_BEGIN))
+
+
+def test_an_answer_format_beside_tools_allows_the_answer_or_calls(tiny_model_path: Path) -> None:
+    """tool_choice auto with an output format (an agent with tools and an output type): the
+    answer in its JSON schema, or tool calls; nothing else."""
+    import llguidance
+
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    ll = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
+    schema = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
+              "additionalProperties": False}  # fmt: skip
+    spec = guided.answer_or_tool_calls(schema, [WEATHER], tags_are_tokens=True)
+    guided.check(spec, ll)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, spec.grammar)
+        return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert accepts('{"days":3}')
+    assert accepts('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    assert not accepts("Sunny, I think.")
+    assert not accepts('{"hours":3}')

@@ -1,0 +1,73 @@
+"""The libraries people put on top of the SDKs, on their default paths against a disaggregated
+cluster: openai-agents (its default model class speaks the Responses API) with a function tool
+and an output type, and LangChain's ChatOpenAI with `use_responses_api=True`."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+from agents.models.openai_responses import OpenAIResponsesModel
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
+
+from tests.integration.harness import MODEL, Cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    return start_cluster("disaggregated")
+
+
+class Forecast(BaseModel):
+    city: str
+    summary: str
+
+
+def test_an_openai_agents_agent_calls_its_tool_and_returns_its_output_type(cluster) -> None:
+    """Turn 1: tool_choice required beside the output type's format: the call. Turn 2: the
+    tool's result sent back, tool_choice reset to auto beside the format: the answer, parsed."""
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "4 C and rain"
+
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="x", max_retries=0)
+    agent = Agent(
+        name="forecaster",
+        instructions="Answer with the weather.",
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        tools=[get_weather],
+        output_type=Forecast,
+        model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
+    )
+    result = Runner.run_sync(agent, "What's the weather in Oslo?", max_turns=4)
+    assert len(calls) == 1
+    assert isinstance(result.final_output, Forecast)
+
+
+def chat_openai(cluster: Cluster, max_tokens: int) -> ChatOpenAI:
+    return ChatOpenAI(model=MODEL, base_url=cluster.base_url, api_key="x", max_retries=0,
+                      use_responses_api=True, temperature=0, max_tokens=max_tokens)  # fmt: skip
+
+
+def test_langchain_chat_openai_on_the_responses_api(cluster) -> None:
+    llm = chat_openai(cluster, max_tokens=16)
+    message = llm.invoke("Where do rivers go?")
+    assert message.text and message.usage_metadata["output_tokens"] >= 1
+    streamed = "".join(chunk.text for chunk in llm.stream("Where do rivers go?"))
+    assert streamed == message.text  # greedy: the same answer, streamed
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "rain"
+
+    with_tools = chat_openai(cluster, max_tokens=64).bind_tools(
+        [get_weather], tool_choice="get_weather"
+    )
+    (call,) = with_tools.invoke("Weather in Oslo?").tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
