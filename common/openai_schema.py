@@ -150,3 +150,27 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None | UnsetType = UNSET
+
+
+# --- /v1/embeddings -------------------------------------------------------------------------------
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+    object_: Literal["embedding"] = msgspec.field(default="embedding", name="object")
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct, kw_only=True):
+    """The body of POST /v1/embeddings; one per input inside the cluster, merged by the
+    frontend when the input is a list."""
+
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object_: Literal["list"] = msgspec.field(default="list", name="object")

@@ -61,7 +61,7 @@ def decode_token_ids(b64: str) -> list[int]:
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How the postproc worker turns this request's tokens into OpenAI (or Anthropic) bytes."""
 
-    kind: Literal["completion", "chat", "anthropic", "responses"] = "completion"
+    kind: Literal["completion", "chat", "anthropic", "responses", "embedding"] = "completion"
     model: str = ""
     created: int = 0
     stream: bool = False
@@ -79,6 +79,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     keep_best: int = 0
     output_logprobs: int | None = None
     responses: ResponseSettings | None = None  # kind "responses": the settings it echoes
+    embedding_base64: bool = False  # kind "embedding": base64 of float32 LE, else a float list
     parser_state: dict[str, object] = msgspec.field(
         default_factory=dict
     )  # reasoning / tool parsers
@@ -225,6 +226,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # SamplingParams.prompt_logprobs, with choice 0's first token: (log-prob, top alternatives)
     # of prompt tokens 1, 2, ... given the ones before
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    embedding: bytes | None = None  # SamplingParams.embed: the pooled vector, float32 LE
 
 
 class PrefillRequest(_Message, tag="prefill"):

@@ -45,6 +45,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     guided: GuidedDecoding | None = None  # a grammar every sampled token must follow
+    # An embedding request: the prompt's last final hidden state, L2-normalized, is the answer
+    # (last-token pooling, as for decoder-only embedding models); the request ends with its
+    # prompt, and the one token sampled with it is not output.
+    embed: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ class TokenOutput:
     # With the first token of choice 0, when asked for: each prompt token's log-prob given the
     # ones before it (from the second token on) and its top alternatives.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    embedding: bytes | None = None  # SamplingParams.embed: little-endian float32 values
 
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
@@ -227,7 +228,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
-        seqs, logits, prompt_rows = self.runner.run(out)
+        seqs, logits, last_hidden, prompt_rows = self.runner.run(out)
         for rows in prompt_rows:
             self._record_prompt_logprobs(rows)
         self.num_prompt_tokens_computed += sum(
@@ -238,7 +239,10 @@ class LLMEngine:
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
         self.num_generated_tokens += len(seqs)
         self.scheduler.postprocess(out, seqs, sampled)
-        return [self._output(seq, row, sampled) for row, seq in enumerate(seqs)]
+        return [
+            self._output(seq, row, sampled, last_hidden if seq.params.embed else None)
+            for row, seq in enumerate(seqs)
+        ]
 
     def _record_prompt_logprobs(self, rows: PromptRows) -> None:
         """Append the log-probs of the prompt tokens these rows predict, in order (a chunk run
@@ -264,7 +268,10 @@ class LLMEngine:
                 )
                 seq.prompt_logprobs.append((float(logprobs[i, target]), alternatives))
 
-    def _output(self, seq: Sequence, row: int, sampled: SampleResult) -> TokenOutput:
+    def _output(
+        self, seq: Sequence, row: int, sampled: SampleResult, hidden: torch.Tensor | None
+    ) -> TokenOutput:
+        """`hidden`: the sampling rows' final hidden states, when this row's request embeds."""
         wants_logprobs = seq.params.logprobs is not None
         prompt_logprobs = None
         if (
@@ -285,6 +292,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             prompt_logprobs=prompt_logprobs,
+            embedding=_pooled(hidden[row]) if hidden is not None else None,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -310,3 +318,9 @@ class LLMEngine:
                 f"the cache has {self.config.num_blocks}",
                 "max_tokens",
             )
+
+
+def _pooled(hidden: torch.Tensor) -> bytes:
+    """A final hidden state as an embedding: L2-normalized in float32, as little-endian bytes."""
+    vector = torch.nn.functional.normalize(hidden.float(), dim=-1)
+    return vector.cpu().numpy().astype("<f4").tobytes()

@@ -44,10 +44,13 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
-    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
-        """Forward the batch; returns the sequences that sample and their (rows, vocab) logits,
-        and the logits of every prompt position of chunks whose sequence wants prompt
-        log-probs (their hidden states: the logits are made a slice at a time)."""
+    def run(
+        self, out: SchedulerOutput
+    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor, list[PromptRows]]:
+        """Forward the batch; returns the sequences that sample, their (rows, vocab) logits and
+        (rows, hidden) final hidden states (what an embedding request pools), and the hidden
+        states of every prompt position of chunks whose sequence wants prompt log-probs (the
+        logits are made from them a slice at a time)."""
         decodes = [c for c in out.chunks if c.num_new_tokens == 1]
         prefills = [c for c in out.chunks if c.num_new_tokens > 1]
         chunks = decodes + prefills
@@ -79,14 +82,15 @@ class ModelRunner:
         )  # (num_tokens, hidden)
         ends = torch.cumsum(torch.tensor([c.num_new_tokens for c in chunks]), 0) - 1
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        logits = self.model.logits(hidden[self._to(ends[rows])])  # (num_sampling, vocab)
+        last_hidden = hidden[self._to(ends[rows])]  # (num_sampling, hidden)
+        logits = self.model.logits(last_hidden)  # (num_sampling, vocab)
         prompt_rows = [
             PromptRows(c.seq, c.seq.num_computed_tokens,
                        hidden[int(end) - c.num_new_tokens + 1 : int(end) + 1])  # (num_new, hidden)
             for c, end in zip(chunks, ends, strict=True)
             if c.seq.wants_prompt_logprobs
         ]  # fmt: skip
-        return [chunks[i].seq for i in rows], logits, prompt_rows
+        return [chunks[i].seq for i in rows], logits, last_hidden, prompt_rows
 
     def _flatten(
         self, chunks: list[ScheduledChunk]

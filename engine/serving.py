@@ -89,6 +89,7 @@ def to_delta(out: TokenOutput) -> TokenDelta:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         prompt_logprobs=out.prompt_logprobs,
+        embedding=out.embedding,
     )
 
 

@@ -25,7 +25,7 @@ from common.config import ClusterConfig
 from common.errors import InvalidRequest, validation_location
 from common.protocol import Chunk, GenerateRequest, OutputOptions, encode, encode_token_ids
 from common.sampling_params import SamplingParams
-from frontend import anthropic, chat, completions, metrics, responses
+from frontend import anthropic, chat, completions, embeddings, metrics, responses
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
@@ -121,6 +121,12 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         body = await decode_body(request, completions.CompletionRequest)
         check_model(body.model)
         generates = await translate(completions.to_generate_requests, body, model, client.reply_to)
+        return await serve(request, client, generates, timeout_s=request_timeout_s)
+
+    async def create_embedding(request: Request) -> Response:
+        body = await decode_body(request, embeddings.EmbeddingRequest)
+        check_model(body.model)
+        generates = await translate(embeddings.to_generate_requests, body, model, client.reply_to)
         return await serve(request, client, generates, timeout_s=request_timeout_s)
 
     async def create_chat_completion(request: Request) -> Response:
@@ -301,6 +307,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/embeddings", create_embedding, methods=["POST"]),
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),

@@ -1,10 +1,11 @@
 """Hand GenerateRequests to the cluster and turn what comes back into HTTP responses.
 
 One request: relay the postproc worker's bytes (the whole JSON body, or SSE frames) untouched.
-Several (a completions request with a list of prompts): each sub-request's choices already carry
-their final index and the client's response id (OutputOptions.index_offset / response_id), so
-the streams are interleaved as they come; only the endings are merged: one usage chunk (summed)
-and one [DONE]. Non-streaming bodies are merged choice by choice.
+Several (a completions request with a list of prompts, an embeddings request with a list of
+inputs): each sub-request's choices already carry their final index and the client's response id
+(OutputOptions.index_offset / response_id), so the streams are interleaved as they come; only
+the endings are merged: one usage chunk (summed) and one [DONE]. Non-streaming bodies are merged
+choice by choice (vector by vector).
 
 The client going away before its answer aborts every sub-request (the blocks are freed on every
 worker); so does a failure of any one of them, and so does the request's deadline
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from common.errors import anthropic_error_body, as_anthropic_error, error_body
-from common.openai_schema import Completion, PromptTokensDetails, Usage
+from common.openai_schema import Completion, EmbeddingList, PromptTokensDetails, Usage
 from common.protocol import Chunk, GenerateRequest, RequestFailed
 from frontend import metrics
 from frontend.cluster_client import ClusterClient, Event
@@ -125,7 +126,9 @@ async def serve(
     if not generates[0].output.stream:
         for request_id in ids:
             client.done(request_id)
-        body = chunks[0].data if len(chunks) == 1 else merge_bodies([c.data for c in chunks])
+        bodies = [c.data for c in chunks]
+        merge = merge_embedding_bodies if generates[0].output.kind == "embedding" else merge_bodies
+        body = bodies[0] if len(bodies) == 1 else merge(bodies)
         prompt, completion = _usage(chunks)
         metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False)
         return Response(body, media_type="application/json")
@@ -243,6 +246,16 @@ def merge_bodies(bodies: list[bytes]) -> bytes:
     merged = parts[0]
     merged.choices = [c for p in parts for c in p.choices]
     merged.usage = _sum_usage([p.usage for p in parts if isinstance(p.usage, Usage)])
+    return msgspec.json.encode(merged)
+
+
+def merge_embedding_bodies(bodies: list[bytes]) -> bytes:
+    """Several inputs' embedding bodies as one: vectors in order, usage summed."""
+    parts = [msgspec.json.decode(b, type=EmbeddingList) for b in bodies]
+    merged = parts[0]
+    merged.data = [item for p in parts for item in p.data]
+    merged.usage.prompt_tokens = sum(p.usage.prompt_tokens for p in parts)
+    merged.usage.total_tokens = sum(p.usage.total_tokens for p in parts)
     return msgspec.json.encode(merged)
 
 

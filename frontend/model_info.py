@@ -29,6 +29,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    hidden_size: int  # the length of its embeddings (POST /v1/embeddings)
     eos_token_ids: tuple[int, ...]
     sampling_defaults: SamplingDefaults  # what omitted sampling fields mean
     max_token_chars: int  # the longest vocabulary entry: no token covers more characters
@@ -67,6 +68,7 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         tokenizer=tokenizer,
         max_model_len=int(hf_config["max_position_embeddings"]),
         vocab_size=int(hf_config["vocab_size"]),
+        hidden_size=int(hf_config["hidden_size"]),
         eos_token_ids=eos_ids,
         sampling_defaults=SamplingDefaults.of_model(model_dir)
         if config.frontend.sampling_defaults == "model"

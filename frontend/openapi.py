@@ -11,10 +11,11 @@ from typing import Any
 import msgspec
 
 from common.errors import AnthropicErrorResponse, ErrorResponse
-from common.openai_schema import ChatCompletion, Completion
+from common.openai_schema import ChatCompletion, Completion, EmbeddingList
 from frontend.anthropic import CountTokensRequest, MessagesRequest
 from frontend.chat import ChatCompletionRequest
 from frontend.completions import CompletionRequest
+from frontend.embeddings import EmbeddingRequest
 from frontend.responses import ResponsesRequest
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
@@ -29,6 +30,7 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
         ChatCompletionRequest,
         ChatCompletion,
     ),
+    "/v1/embeddings": ("post", "Create embeddings", EmbeddingRequest, EmbeddingList),
     "/v1/messages": ("post", "Create a message (Anthropic Messages API)", MessagesRequest, None),
     "/v1/messages/count_tokens": (
         "post",

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
@@ -232,3 +232,32 @@ def test_echo_with_logprobs_scores_the_prompt_like_hf(
     assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
     assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
     assert "".join(logprobs.tokens) == choice.text  # the echo, token by token
+
+
+@pytest.fixture(scope="module")
+def hf_embeddings(tiny_model_path: Path) -> list[torch.Tensor]:
+    """Transformers' own final hidden state of each prompt's last token, normalized."""
+    model = AutoModel.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    vectors = []
+    for prompt in TEST_PROMPTS[:4]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            hidden = model(ids).last_hidden_state[0, -1]
+        vectors.append(torch.nn.functional.normalize(hidden, dim=-1))
+    return vectors
+
+
+def test_embeddings_are_transformers_last_hidden_states(
+    cluster: Cluster, hf_embeddings: list[torch.Tensor]
+) -> None:
+    """Four inputs in one request (fanned out, merged in order), twice: the second time the
+    prompts are in the prefix cache and only their last token is computed again."""
+    for _ in range(2):
+        result = client(cluster).embeddings.create(model=MODEL, input=TEST_PROMPTS[:4])
+        assert [d.index for d in result.data] == [0, 1, 2, 3]
+        for item, expected in zip(result.data, hf_embeddings, strict=True):
+            vector = torch.tensor(item.embedding)
+            assert vector.shape == expected.shape
+            assert torch.allclose(vector, expected, atol=1e-4), (vector - expected).abs().max()
+    assert result.usage.prompt_tokens == result.usage.total_tokens > 4

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tiny_model import TEST_PROMPTS
 from frontend.openapi import ROUTES
+from tests.integration import openai_spec
 from tests.integration.harness import MODEL, Cluster
 
 MAX_NEW = 16
@@ -362,3 +364,99 @@ def test_best_of_returns_the_most_likely_of_its_samples(oai) -> None:
     assert best.usage is not None and best.usage.completion_tokens == 4 * 8
     with pytest.raises(openai.BadRequestError, match="best_of"):
         oai.completions.create(n=1, best_of=2, stream=True, **options)
+
+
+# --- embeddings -----------------------------------------------------------------------------------
+
+
+def test_embeddings_forms_formats_and_usage(cluster: Cluster, oai, tiny_model_path: Path) -> None:
+    """Floats and base64 (float32 little-endian) carry the same unit vector; token ids embed as
+    their text does; a list's usage is the sum of its inputs'."""
+    url = f"{cluster.base_url}/embeddings"
+    text = TEST_PROMPTS[1]
+    floats = httpx.post(url, json={"model": MODEL, "input": text}, timeout=30).json()
+    openai_spec.check("CreateEmbeddingResponse", floats)
+    coded = httpx.post(url, timeout=30,
+                       json={"model": MODEL, "input": text, "encoding_format": "base64"}).json()  # fmt: skip
+    # (the description types `embedding` as numbers only; base64 is the SDK's default all the same)
+    raw = base64.b64decode(coded["data"][0]["embedding"])
+    vector = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert vector == floats["data"][0]["embedding"]
+    assert abs(sum(v * v for v in vector) - 1.0) < 1e-4
+    assert floats["object"] == "list" and floats["model"] == MODEL
+    ids = AutoTokenizer.from_pretrained(tiny_model_path)(text).input_ids
+    assert floats["usage"] == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
+    by_ids = oai.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert by_ids.data[0].embedding == vector
+    both = oai.embeddings.create(model=MODEL, input=[ids, ids[:3]], encoding_format="float")
+    assert [d.index for d in both.data] == [0, 1] and both.data[0].embedding == vector
+    assert both.usage.prompt_tokens == len(ids) + 3
+    sized = oai.embeddings.create(model=MODEL, input=text, dimensions=len(vector))
+    assert len(sized.data[0].embedding) == len(vector)
+
+
+def test_embeddings_bad_input_is_a_400_and_leaves_nothing(cluster: Cluster) -> None:
+    url = f"{cluster.base_url}/embeddings"
+    cases = [
+        ({"input": ""}, "no tokens"),
+        ({"input": []}, "must not be empty"),
+        ({"input": [[]]}, "no tokens"),
+        ({"input": ["a"] * 2049}, "at most 2048"),
+        ({"input": [1.5]}, "input"),
+        ({"input": [[1, 2], "a"]}, "input"),
+        ({"input": [10**9]}, "token ids must be in"),
+        ({"input": list(range(5000))}, "embeds at most"),
+        ({"input": "hi", "dimensions": 7}, "dimensions"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "stream": True}, "stream"),
+    ]
+    for fields, says in cases:
+        response = httpx.post(url, json={"model": MODEL, **fields}, timeout=30)
+        assert response.status_code == 400, (fields, response.text)
+        assert says in response.text, (fields, response.text)
+        openai_spec.check("ErrorResponse", response.json())
+    response = httpx.post(url, json={"model": "other", "input": "hi"}, timeout=30)
+    assert response.status_code == 404
+    assert cluster.wait_idle().num_requests == 0
+
+
+# --- the official description ---------------------------------------------------------------------
+
+
+def sse_payloads(response: httpx.Response) -> list[dict]:
+    return [
+        json.loads(line[len("data: ") :])
+        for line in response.text.splitlines()
+        if line.startswith("data: {")
+    ]
+
+
+def test_bodies_and_chunks_validate_against_the_official_description(cluster: Cluster) -> None:
+    base = cluster.base_url
+    chat_body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True,
+                 "top_logprobs": 2, "n": 2}  # fmt: skip
+    response = httpx.post(f"{base}/chat/completions", json=chat_body, timeout=30)
+    openai_spec.check("CreateChatCompletionResponse", response.json())
+    streamed = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
+    response = httpx.post(f"{base}/chat/completions", json=streamed, timeout=30)
+    chunks = sse_payloads(response)
+    assert len(chunks) > 2
+    for chunk in chunks:
+        openai_spec.check("CreateChatCompletionStreamResponse", chunk)
+    # (no echo: the description types every token_logprobs entry as a number, where an echoed
+    # prompt's first token has null, as OpenAI's own legacy answers had and lm-eval expects)
+    completion_body = {"model": MODEL, "prompt": [TEST_PROMPTS[0], TEST_PROMPTS[1]],
+                       "max_tokens": 4, "logprobs": 2}  # fmt: skip
+    response = httpx.post(f"{base}/completions", json=completion_body, timeout=30)
+    openai_spec.check("CreateCompletionResponse", response.json())
+    # (streamed completions have no schema there: its CreateCompletionResponse requires a
+    # finish_reason, which chunks before the last have as null in OpenAI's streams too)
+    openai_spec.check("ListModelsResponse", httpx.get(f"{base}/models", timeout=30).json())
+    openai_spec.check("Model", httpx.get(f"{base}/models/{MODEL}", timeout=30).json())
+    for response in [
+        httpx.get(f"{base}/models/nope", timeout=30),
+        httpx.post(f"{base}/completions", json={"model": MODEL, "prompt": "x", "n": 0}, timeout=30),
+        httpx.post(f"{base}/chat/completions", content=b"{", timeout=30),
+    ]:
+        assert response.status_code in (400, 404)
+        openai_spec.check("ErrorResponse", response.json())

@@ -16,7 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer, load_tokenizer
-from postproc_worker.formatter import MIN_LOGPROB, RequestState, StepOutput
+from postproc_worker.formatter import RequestState, StepOutput
+from postproc_worker.openai_frames import MIN_LOGPROB
 
 PROMPT = "Tell me something nice:"
 OUTPUT = "Sure! 你好，世界 🎉 — the sky is blue. ###END and more"

@@ -1,0 +1,125 @@
+"""POST /v1/chat/completions' bytes: a role chunk first, then content / reasoning / tool-call
+deltas from the parsers, per-token log-probs with their bytes, and "tool_calls" as the finish
+reason of a choice that called a tool."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    Usage,
+)
+from postproc_worker.openai_frames import (
+    SSE_DONE,
+    chunk_usage,
+    finite,
+    json_encoder,
+    sse,
+)
+
+if TYPE_CHECKING:
+    from postproc_worker.formatter import ChoiceState, RequestState, TokenLogprob
+
+
+class ChatRenderer:
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+
+    def stream_frames(self, choice: ChoiceState, text: str) -> bytes:
+        frames = b""
+        index = choice.index + self.state.index_offset
+        if not choice.started:
+            choice.started = True
+            role = DeltaMessage(role="assistant", content="")
+            frames += sse(self._chunk([ChatChunkChoice(index=index, delta=role)]))
+        final = choice.finish_reason is not None
+        delta = self.state.parsed(choice, text, final=final).delta()
+        if delta == DeltaMessage() and not final:
+            return frames  # nothing visible yet: logprobs wait for the chunk that carries the text
+        records, choice.logprobs = choice.logprobs, []
+        chat_choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=self._logprobs(records) if records else None,
+            finish_reason=self._finish_reason(choice),
+        )
+        return frames + sse(self._chunk([chat_choice]))
+
+    def end_frames(self) -> bytes:
+        if not self.state.include_usage:
+            return SSE_DONE
+        return sse(self._chunk([], self.state.usage())) + SSE_DONE
+
+    def body(self) -> bytes:
+        state = self.state
+        return json_encoder.encode(
+            ChatCompletion(
+                id=state.response_id,
+                created=state.created,
+                model=state.model,
+                choices=[self._choice(c) for c in state.choices],
+                usage=state.usage(),
+            )
+        )
+
+    def _choice(self, choice: ChoiceState) -> ChatChoice:
+        text = "".join(choice.text_parts)
+        return ChatChoice(
+            index=choice.index + self.state.index_offset,
+            message=ChatMessage(content=text)
+            if choice.parsers is None
+            else choice.parsers.feed(text, final=True).message(),
+            logprobs=self._logprobs(choice.logprobs)
+            if self.state.num_logprobs is not None
+            else None,
+            finish_reason=self._finish_reason(choice),
+        )
+
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        state = self.state
+        return ChatCompletionChunk(
+            id=state.response_id,
+            created=state.created,
+            model=state.model,
+            choices=choices,
+            usage=usage if usage is not None else chunk_usage(state.include_usage),
+        )
+
+    def _finish_reason(self, choice: ChoiceState) -> str | None:
+        return "tool_calls" if self.state.called_tools(choice) else choice.finish_reason
+
+    def _logprobs(self, records: list[TokenLogprob]) -> ChatLogprobs:
+        k = self.state.num_logprobs or 0
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=self._text(r.token_id),
+                    logprob=finite(r.logprob),
+                    token_bytes=self._bytes(r.token_id),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=self._text(t), logprob=finite(lp), token_bytes=self._bytes(t)
+                        )
+                        for t, lp in r.top[:k]
+                    ],
+                )
+                for r in records
+            ]
+        )
+
+    def _text(self, token_id: int) -> str:
+        return self.state.tokenizer.token_text(token_id)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(self.state.tokenizer.token_bytes(token_id))

@@ -1,0 +1,38 @@
+"""What the OpenAI chat and completion renderers share: SSE framing, the usage object, and
+log-probs that JSON can carry."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from common.openai_schema import ChatCompletionChunk, Completion, PromptTokensDetails, Usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # stands for -inf (JSON has no infinity), as in vLLM
+
+json_encoder = msgspec.json.Encoder()
+
+
+def sse(payload: Completion | ChatCompletionChunk) -> bytes:
+    return b"data: " + json_encoder.encode(payload) + b"\n\n"
+
+
+def usage(num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+def chunk_usage(include_usage: bool) -> None | UnsetType:
+    """`"usage": null` on every chunk when the client asked for the usage chunk, else absent."""
+    return None if include_usage else UNSET
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
