@@ -1,6 +1,7 @@
 """The libraries people put on top of the SDKs, on their default paths against a disaggregated
 cluster: openai-agents (its default model class speaks the Responses API) with a function tool
-and an output type, and LangChain's ChatOpenAI with `use_responses_api=True`."""
+and an output type, pydantic-ai's Responses model with an output type, and LangChain's
+ChatOpenAI with `use_responses_api=True`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disa
 from agents.models.openai_responses import OpenAIResponsesModel
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
+from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai.models.openai import OpenAIResponsesModel as PydanticResponsesModel
+from pydantic_ai.providers.openai import OpenAIProvider
 
 from tests.integration.harness import MODEL, Cluster
 
@@ -48,6 +52,22 @@ def test_an_openai_agents_agent_calls_its_tool_and_returns_its_output_type(clust
     result = Runner.run_sync(agent, "What's the weather in Oslo?", max_turns=4)
     assert len(calls) == 1
     assert isinstance(result.final_output, Forecast)
+
+
+def test_a_pydantic_ai_agent_on_the_responses_api_returns_its_output_type(cluster) -> None:
+    """pydantic-ai's default structured output is a `final_result` tool that the model must call
+    (tool_choice required): the forced call's arguments follow the output type's schema."""
+    provider = OpenAIProvider(base_url=cluster.base_url, api_key="x")
+    agent = PydanticAgent(
+        PydanticResponsesModel(MODEL, provider=provider),
+        output_type=Forecast,
+        instructions="Answer with the weather.",
+    )
+    result = agent.run_sync(
+        "What's the weather in Oslo?", model_settings={"max_tokens": 64, "temperature": 0}
+    )
+    assert isinstance(result.output, Forecast)
+    assert result.usage.output_tokens >= 1
 
 
 def chat_openai(cluster: Cluster, max_tokens: int) -> ChatOpenAI:
