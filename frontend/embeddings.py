@@ -79,8 +79,7 @@ def _check_ids(ids: list[int], model: ModelInfo) -> None:
     # the engine samples one token beside the pooled prompt: one position stays free
     if len(ids) >= model.max_model_len:
         raise InvalidRequest(
-            f"an input has {len(ids)} tokens; this model embeds at most "
-            f"{model.max_model_len - 1}",
+            f"an input has {len(ids)} tokens; this model embeds at most {model.max_model_len - 1}",
             "input",
         )
     if not 0 <= min(ids) <= max(ids) < model.vocab_size:
