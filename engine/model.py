@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine import attention
+from engine.linear import Linear
 from engine.model_config import ModelConfig, RopeConfig
 
 
@@ -96,10 +97,10 @@ class Attention(nn.Module):
         super().__init__()
         d, bias = config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, config.num_heads * d, bias=bias)
+        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(config.num_heads * d, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -154,9 +155,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -197,7 +198,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderBody(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
 
     @torch.inference_mode()
