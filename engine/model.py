@@ -97,9 +97,9 @@ class Attention(nn.Module):
         super().__init__()
         d, bias = config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = Linear(config.hidden_size, config.num_heads * d, bias=bias)
-        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * d, bias=bias)
+        # q, k and v in one matmul (the checkpoint's q_proj, k_proj, v_proj, stacked at load)
+        self.qkv_proj = Linear(config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * d,
+                               bias=bias)  # fmt: skip
         self.o_proj = Linear(config.num_heads * d, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
@@ -117,9 +117,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -155,12 +157,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        # gate and up in one matmul (the checkpoint's gate_proj and up_proj, stacked at load)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -234,6 +238,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> Caus
                     state[name] = f.get_tensor(name).to(dtype)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    _stack(state, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    _stack(state, ("gate_proj", "up_proj"), "gate_up_proj")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
@@ -241,3 +247,13 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> Caus
         )
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
     return model.eval()
+
+
+def _stack(state: dict[str, torch.Tensor], parts: tuple[str, ...], fused: str) -> None:
+    """Checkpoint projections that the model runs as one matmul: their weights (and biases)
+    stacked along the output dimension, in `parts` order, under the fused name."""
+    first = f".{parts[0]}."
+    for name in [n for n in state if first in n]:
+        prefix, _, kind = name.rpartition(first)  # kind: weight or bias
+        tensors = [state.pop(f"{prefix}.{part}.{kind}") for part in parts]
+        state[f"{prefix}.{fused}.{kind}"] = torch.cat(tensors)
