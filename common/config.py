@@ -116,6 +116,14 @@ class SecurityConfig(_Section, frozen=True):
     keys_dir: str | None = None
 
 
+class CpuConfig(_Section, frozen=True):
+    """Engine workers' compute threads on a CPU host (engine/cpu_placement.py)."""
+
+    # torch threads per engine worker; 0: the host's cores less one, shared out among its engines
+    threads_per_engine: Annotated[int, msgspec.Meta(ge=0)] = 0
+    pin: bool = True  # each engine worker on its own cores (none shared with another engine)
+
+
 ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3"]
 
 
@@ -139,6 +147,7 @@ class ClusterConfig(_Section, frozen=True):
     kv_cache: KVCacheConfig = KVCacheConfig()
     transfer: TransferConfig = TransferConfig()
     security: SecurityConfig = SecurityConfig()
+    cpu: CpuConfig = CpuConfig()
 
     def __post_init__(self) -> None:
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all

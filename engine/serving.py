@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import zmq
 
 from common.config import ClusterConfig, ContextWorkersConfig, GenerationWorkersConfig
@@ -13,6 +12,7 @@ from common.kv_events import KVEventPublisher
 from common.protocol import KVEvents, TokenDelta, WorkerStats
 from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
+from engine.cpu_placement import place_engine
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.ucx_network import ucx_environment
@@ -38,7 +38,7 @@ def build_engine(
 ) -> tuple[LLMEngine, KVTransferAgent]:
     """An engine worker's engine and the NIXL agent over its KV pool (one per process). UCX is
     confined first (engine/ucx_network.py): it reads its settings when the agent is made."""
-    configure_torch(config)
+    place_engine(config, worker_id)
     os.environ.update(ucx_environment(config.internal_host, config.port_range))
     engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
     kv_cache = engine.kv_cache
@@ -64,16 +64,6 @@ def _offset(endpoint: str | None, offset: int) -> str | None:
     base, _, port = endpoint.rpartition(":")
     loopback = base.endswith(("//127.0.0.1", "//localhost", "//[::1]"))
     return f"{base}:{int(port) + offset}" if loopback and port.isdigit() else endpoint
-
-
-def configure_torch(config: ClusterConfig) -> None:
-    """On CPU, share the cores between the engine processes of one host instead of each taking
-    all of them (oversubscribed threads make every step slower)."""
-    if config.device == "cpu":
-        num_engines = config.generation_workers.count
-        if config.mode == "disaggregated":
-            num_engines += config.context_workers.count
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_engines))
 
 
 def to_delta(out: TokenOutput) -> TokenDelta:
