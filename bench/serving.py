@@ -102,10 +102,12 @@ def free_port() -> int:
 class Cluster:
     """`orchestrator up` on free loopback ports; stopped with SIGTERM."""
 
-    def __init__(self, model: str, device: str, mode: str, workdir: Path) -> None:
+    def __init__(
+        self, model: str, device: str, mode: str, workdir: Path, dtype: str | None = None
+    ) -> None:
         self.port = free_port()
         config = workdir / f"cluster-{mode}.yaml"
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
         config.write_text(
             f"model: {model}\nmode: {mode}\ndevice: {device}\ndtype: {dtype}\n"
             f"frontend: {{port: {self.port}}}\n"

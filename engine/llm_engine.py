@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.guided import GrammarCompiler
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
+from engine.linear import can_pack, pack_linear_layers
 from engine.model import load_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
@@ -55,6 +56,8 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
             config.device
         )
+        if can_pack(config.device, config.torch_dtype):
+            pack_linear_layers(self.model)  # oneDNN's layout, once (engine/linear.py)
         self.kv_cache = KVCache(
             self.model_config,
             config.num_blocks,

