@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import os
 
+import torch
 import zmq
 
 from common.config import ClusterConfig, ContextWorkersConfig, GenerationWorkersConfig
+from common.cpu_placement import place_engine
 from common.kv_events import KVEventPublisher
 from common.protocol import KVEvents, TokenDelta, WorkerStats
 from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
-from engine.cpu_placement import place_engine
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.ucx_network import ucx_environment
@@ -38,7 +39,8 @@ def build_engine(
 ) -> tuple[LLMEngine, KVTransferAgent]:
     """An engine worker's engine and the NIXL agent over its KV pool (one per process). UCX is
     confined first (engine/ucx_network.py): it reads its settings when the agent is made."""
-    place_engine(config, worker_id)
+    if config.device == "cpu":
+        torch.set_num_threads(place_engine(config, worker_id))
     os.environ.update(ucx_environment(config.internal_host, config.port_range))
     engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
     kv_cache = engine.kv_cache

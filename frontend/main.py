@@ -15,6 +15,7 @@ import zmq.asyncio
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from common.cpu_placement import place_light_process
 from common.entrypoint import parse_args, secure_context, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ async def run(argv: list[str] | None = None) -> None:
     authenticator = secure_context(context, config)
     client = ClusterClient(config, worker_id, url, context)
     app = build_app(config, client, load_model_info(config))
+    place_light_process(config)  # off the engines' cores, once the start-up work is done
     sock = listening_socket(host, port)
     hypercorn_config = HypercornConfig()
     hypercorn_config.bind = [f"fd://{sock.fileno()}"]

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from common.config import ClusterConfig, load_cluster_config
+from common.cpu_placement import place_light_process
 from common.curve import serve
 from common.entrypoint import secure_context, setup_logging, stop_on_signals
 from common.transport import make_socket, parse, send_to
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_cluster_config(args.config) if args.config else ClusterConfig()
     setup_logging("orchestrator")
+    place_light_process(config)  # off the engines' cores
     stop = stop_on_signals()
     context = zmq.Context()
     authenticator = secure_context(context, config)

@@ -15,6 +15,7 @@ import zmq
 
 from common.builtin_models import resolve_model_dir
 from common.config import ClusterConfig
+from common.cpu_placement import place_light_process
 from common.errors import error_body
 from common.protocol import (
     FAILED,
@@ -39,6 +40,7 @@ POLL_MS = 100
 class PostprocWorker:
     def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
         self.tokenizer = load_tokenizer(resolve_model_dir(config.model, config.dtype))
+        place_light_process(config)  # off the engines' cores, once the start-up work is done
         self.tokens = make_socket(context, zmq.PULL)
         self.address = bind_random_port(
             self.tokens, config.internal_host, config.advertise_host, config.port_range

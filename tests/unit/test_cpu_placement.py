@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config import parse_cluster_config
-from engine.cpu_placement import engine_cores
+from common.cpu_placement import engine_cores, light_cores
 
 
 def cores(yaml: str, worker_id: str, num_cores: int) -> list[int]:
@@ -32,3 +32,11 @@ def test_an_explicit_thread_count_and_a_host_too_small_for_it() -> None:
 def test_a_pod_of_its_own_takes_its_cores_less_one() -> None:
     yaml = "internal_host: 0.0.0.0\ngeneration_workers: {count: 4}"
     assert cores(yaml, "gen-3", 4) == [1, 2, 3]
+
+
+def test_the_light_processes_keep_off_every_engine_core() -> None:
+    two_engines = parse_cluster_config("mode: disaggregated")
+    assert light_cores(two_engines, [0, 1]) == [0, 1]  # both cores are engines': share them
+    assert light_cores(parse_cluster_config("mode: aggregated"), [0, 1]) == [0]
+    yaml = "generation_workers: {count: 2}\ncontext_workers: {count: 1}"
+    assert light_cores(parse_cluster_config(yaml), list(range(16))) == [0]
