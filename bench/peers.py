@@ -17,7 +17,8 @@ bundled libiomp5 preloaded (Debian: libtcmalloc-minimal4).
 One server runs at a time, and the order rotates each repeat (A B C, B C A, ...), so that a slow
 minute of the host does not land on one server only; figures are medians over the repeats.
 
-`peers.json`: per model, dtype and concurrency, each server's output tok/s, TTFT p50 and
+`peers.json` (a model this run leaves out keeps its figures from the earlier file): per model,
+dtype and concurrency, each server's output tok/s, TTFT p50 and
 inter-token p50, the clusters' ratios to vLLM, and the memory-bandwidth bound beside them: one
 core's measured read bandwidth ÷ the bytes of weights a decode step streams, times the batch
 (tokens/s no server can pass while it reads every weight once per step).
@@ -216,7 +217,7 @@ def main() -> None:
                  "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION},
         "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
                      "load_generator": "vllm bench serve", "repeats": args.repeats},
-        "models": {},
+        "models": _earlier_models(args.out),
     }  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     try:
@@ -249,6 +250,14 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
+
+
+def _earlier_models(out: Path) -> dict:
+    """The figures of models this run does not measure, kept from the file it replaces, so that
+    models can be run one at a time into one peers.json."""
+    if not out.exists():
+        return {}
+    return dict(json.loads(out.read_text()).get("models", {}))
 
 
 def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], num_bytes: int,
