@@ -263,7 +263,8 @@ def _earlier_models(out: Path) -> dict:
 def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], num_bytes: int,
               bandwidth: float) -> dict:  # fmt: skip
     step_s = num_bytes / (bandwidth * 1e9)  # reading every weight once
-    summary: dict = {"weight_bytes": num_bytes, "levels": {}}
+    # the bandwidth is measured once per run: each model's bound keeps the figure it was made with
+    summary: dict = {"weight_bytes": num_bytes, "read_gb_s": round(bandwidth, 1), "levels": {}}
     for c in levels:
         level: dict = {"bandwidth_bound_tokens_per_s": round(c / step_s, 1)}
         for server, by_level in runs.items():
