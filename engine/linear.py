@@ -6,8 +6,9 @@ inductor emits for linear layers on CPU), is faster at every decode shape, and f
 the weight already in its blocked layout (`_reorder_linear_weight`), since an unpacked weight is
 reordered on every call. The 30 layers of SmolLM2 (425 MB of float32 weights, one thread):
 F.linear 33 / 62 ms at 1 / 8 rows, oneDNN 24 / 40 ms, packed 22 / 28 ms, that is 19.7 and
-15 GB/s (one core reads up to ~35 GB/s here, bench/peers.py). Results differ from MKL's only in summation order
-(about 1e-5 relative); greedy tokens matched transformers' in every parity test.
+15 GB/s (one core reads up to ~35 GB/s here, bench/peers.py). Results differ from MKL's only
+in summation order (about 1e-5 relative); greedy tokens matched transformers' in every parity
+test.
 
 Packing is for CPU tensors of float32 or bfloat16 in a torch with oneDNN; elsewhere (GPU) the
 layers are torch's linear. A packed weight is an opaque oneDNN tensor: nothing else reads it
