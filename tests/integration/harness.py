@@ -4,6 +4,7 @@ over HTTP, stopped and checked for leftover processes."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,30 @@ STOP_TIMEOUT_S = 10.0  # what `orchestrator up` promises on SIGTERM
 MODEL = "builtin:tiny"
 
 
-def free_port() -> int:
+# Ports the tests choose come from below Linux's ephemeral range (32768-60999), which the OS
+# hands out to every socket bound to port 0 (the cluster's own PULL sockets, UCX listeners):
+# a port chosen there and bound a few seconds later could be taken meanwhile. KV-event
+# endpoints bind their base port + k, which no check at choosing time covered.
+CHOSEN_PORTS = (20_000, 32_000)
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive loopback ports free now, outside the ephemeral range."""
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(CHOSEN_PORTS[0], CHOSEN_PORTS[1] - count)
+        if all(_bindable(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports in {CHOSEN_PORTS}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass

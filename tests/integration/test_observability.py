@@ -22,7 +22,9 @@ LONG_PREFIX = (
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster) -> Cluster:
-    events, replay = free_port(), free_port()
+    # engine worker k binds the base port + k (gen-0, gen-1, ctx-0): three free ports each
+    events = free_port(6)
+    replay = events + 3
     kv_cache = (
         f'events: {{zmq: "tcp://127.0.0.1:{events}", replay_zmq: "tcp://127.0.0.1:{replay}"}}'
     )
