@@ -72,6 +72,12 @@ def new_request_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def sub_request_id(request_id: str, index: int, count: int) -> str:
+    """The cluster's id for prompt `index` of `count` fanned out from one client request; the
+    client sees `request_id` (the frontend merges the answers)."""
+    return request_id if count == 1 else f"{request_id}-{index}"
+
+
 def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[int], str]]:
     """Every prompt as (token ids, text for echo); ids are checked against the vocabulary and
     text against the context's size before anything is decoded or tokenized."""
@@ -97,10 +103,10 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
             model.check_prompt_chars(len(text), "prompt")
         return [(tokenizer.encode(text), text) for text in texts]
     assert isinstance(prompt, list)
-    if prompt and all(_is_int(t) for t in prompt):
+    if prompt and all(is_token_id(t) for t in prompt):
         _check_ids(prompt, model, "prompt")
         return [(list(prompt), tokenizer.decode(prompt, skip_special_tokens=False))]
-    if prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+    if prompt and all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
         _check_count(len(prompt), body.best_of or body.n)
         for ids in prompt:
             _check_ids(ids, model, "prompt")
@@ -112,7 +118,8 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
     )
 
 
-def _is_int(value: object) -> bool:
+def is_token_id(value: object) -> bool:
+    """A JSON integer (not a boolean): what a token id in a request body must be."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -200,8 +207,7 @@ def to_generate_requests(
         )
         requests.append(
             GenerateRequest(
-                # one id per prompt inside the cluster; the client sees the first (merged answer)
-                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                request_id=sub_request_id(request_id, i, len(prompts)),
                 prompt_token_ids_b64=prompt_b64,
                 sampling=sampling,
                 output=output,

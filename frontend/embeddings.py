@@ -17,7 +17,7 @@ import msgspec
 from common.errors import InvalidRequest
 from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
 from common.sampling_params import SamplingParams
-from frontend.completions import new_request_id
+from frontend.completions import is_token_id, new_request_id, sub_request_id
 from frontend.model_info import ModelInfo
 
 MAX_INPUTS = 2048  # the official API's limit on inputs per request
@@ -39,7 +39,7 @@ def input_list(body: EmbeddingRequest, model: ModelInfo) -> list[list[int]]:
     raw = body.input
     if isinstance(raw, str):
         inputs: list[Any] = [raw]
-    elif raw and all(_is_int(t) for t in raw):
+    elif raw and all(is_token_id(t) for t in raw):
         inputs = [raw]
     else:
         inputs = raw
@@ -65,12 +65,8 @@ def input_list(body: EmbeddingRequest, model: ModelInfo) -> list[list[int]]:
     return [list(ids) for ids in inputs]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and all(is_token_id(t) for t in value)
 
 
 def _check_ids(ids: list[int], model: ModelInfo) -> None:
@@ -112,7 +108,7 @@ def to_generate_requests(
         )
         requests.append(
             GenerateRequest(
-                request_id=request_id if len(inputs) == 1 else f"{request_id}-{i}",
+                request_id=sub_request_id(request_id, i, len(inputs)),
                 prompt_token_ids_b64=prompt_b64,
                 sampling=SamplingParams(temperature=0.0, max_tokens=1, embed=True),
                 output=output,
