@@ -20,6 +20,8 @@ from common.entrypoint import parse_args, secure_context, setup_logging
 
 logger = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 75.0  # idle connections kept open longer than clients' pools keep them (nginx: 75 s)
+
 
 def listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -53,6 +55,12 @@ async def run(argv: list[str] | None = None) -> None:
     hypercorn_config.bind = [f"fd://{sock.fileno()}"]
     hypercorn_config.accesslog = None
     hypercorn_config.graceful_timeout = 3.0
+    # A burst of clients connecting at once waits in the kernel's queue instead of being dropped.
+    hypercorn_config.backlog = 2048
+    # Clients pool idle connections and reuse them for up to their own expiry (httpx, so the openai
+    # SDK: 5 s; aiohttp: 15 s). A server that closes first races the client's next request on
+    # that connection, which then fails with no response: the server must outlast the clients.
+    hypercorn_config.keep_alive_timeout = KEEP_ALIVE_S
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -133,6 +136,35 @@ def test_256_streaming_clients_all_finish_and_the_excess_is_told_to_retry(cluste
     assert outcomes == ["done"] * 256
     assert statuses, "256 at once over a limit of 64 must see 429s"
     assert_clean(cluster)
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive_expiry(cluster: Cluster) -> None:
+    """httpx (so the openai SDK) reuses a pooled connection for up to 5 s: a server that closes
+    it sooner races the client's next request, which then fails with no response (a ReadError
+    seen under load). The server keeps it longer, so the client is always the one to close."""
+    host, port = urlsplit(cluster.url).hostname, urlsplit(cluster.url).port
+    request = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(request)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(httpx.Limits().keepalive_expiry + 1)
+        sock.sendall(request)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200"), "closed while idle"
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body (b"" if the server closed instead)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
 
 
 def internal_addresses(cluster: Cluster) -> tuple[str, str]:
