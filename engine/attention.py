@@ -1,9 +1,11 @@
 """Attention dispatch: the one place that picks the Triton kernels or the torch path.
 
-"auto" runs Triton on CUDA tensors and the torch path (kernels/torch_paged.py, the reference's
-maths arranged for a CPU) elsewhere; "torch" and "triton" force one path (the
-engine config passes the choice down; nothing here reads the environment). Forcing "triton" on CPU
-tensors works only under the Triton interpreter (TRITON_INTERPRET=1); the tests drive it so.
+"auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_paged.c: decode
+attention and KV stores reading the paged cache in place) where they built, else the torch path
+(kernels/torch_paged.py, the reference's maths arranged for a CPU; prefill always takes it).
+"torch", "cpu" and "triton" force one path (the engine config passes the choice down; nothing
+here reads the environment). Forcing "triton" on CPU tensors works only under the Triton
+interpreter (TRITON_INTERPRET=1); the tests drive it so.
 
 The kernel modules, and with them triton, are imported lazily, so the torch path never imports
 triton: @triton.jit (triton's own tl.* helpers included) picks compiled vs interpreted when it
@@ -17,10 +19,10 @@ from typing import Literal, cast
 
 import torch
 
-from engine.kernels import torch_paged
+from engine.kernels import cpu_paged, torch_paged
 from engine.kernels.reference import store_kv_ref
 
-AttentionBackend = Literal["auto", "torch", "triton"]
+AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 
 
 def decode_attention(
@@ -45,6 +47,10 @@ def decode_attention(
 
         _check_runnable(q, decode.decode_split_kernel)
         return decode.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
+        )
+    if _use_cpu_kernels(backend, k_cache):
+        return cpu_paged.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
         )
     key = f"torch_decode_plan/{sliding_window}"  # layers may differ in their window
@@ -101,16 +107,28 @@ def write_kv(
 
         _check_runnable(k, store_kv.store_kv_kernel)
         store_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    elif _use_cpu_kernels(backend, k_cache):
+        cpu_paged.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def _use_triton(backend: AttentionBackend, x: torch.Tensor) -> bool:
     if backend == "auto":
         return x.is_cuda
-    if backend in ("torch", "triton"):
+    if backend in ("torch", "cpu", "triton"):
         return backend == "triton"
-    raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    raise ValueError(f"attention backend must be auto, torch, cpu or triton, got {backend!r}")
+
+
+def _use_cpu_kernels(backend: AttentionBackend, cache: torch.Tensor) -> bool:
+    if backend == "cpu":
+        if not cpu_paged.supports(cache):
+            raise RuntimeError(
+                "attention backend 'cpu' needs a float32 or bfloat16 CPU cache and a C compiler"
+            )
+        return True
+    return backend == "auto" and cpu_paged.supports(cache)
 
 
 def _check_runnable(x: torch.Tensor, kernel: object) -> None:

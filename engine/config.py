@@ -24,7 +24,7 @@ class EngineConfig:
         2048  # token budget of one step; smaller means smaller prefill chunks
     )
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -32,8 +32,8 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("attention_backend must be auto, torch or triton")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError("attention_backend must be auto, torch, cpu or triton")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,0 +1,148 @@
+/* Paged decode attention and KV stores for the CPU, reading the block-major cache in place.
+ *
+ * The torch path (torch_paged.py) must gather each sequence's blocks into a padded copy before a
+ * batched multiply can read them: on a decode step that copy is as much memory traffic as the
+ * attention itself. Here each (sequence, KV head) walks its block table and reads every key and
+ * value row once where it lies, for all the query heads that share it (GQA), with a two-pass
+ * softmax in float32 (scores, then max / exp / sum, then the weighted sum of values): the
+ * reference's maths, summed in another order.
+ *
+ * Layout (engine/kv_cache.py): cache[block][slot][kv_head][d], blocks `block_stride` elements
+ * apart (the other layers of the pool lie between). Element types: float32, or bfloat16 read as
+ * the high half of a float32. q and out are float32 (the caller converts).
+ *
+ * Built by cpu_paged.py with the host's compiler; no Python or torch headers, so it builds in
+ * about a second and is called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+/* One cached row of head_dim values as float32: the row itself, or converted into buf. */
+static inline const float *load_row(const void *cache, int64_t index, int dtype, int64_t d,
+                                    float *buf) {
+    if (dtype == F32) return (const float *)cache + index;
+    const uint16_t *src = (const uint16_t *)cache + index;
+    for (int64_t i = 0; i < d; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(&buf[i], &bits, sizeof bits);
+    }
+    return buf;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* Inlined into one copy per common head size, so that d is a constant there and the loops over
+ * it unroll into a few vector instructions (a run-time d makes them several times slower). */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *restrict q, const void *k_cache, const void *v_cache, int dtype,
+    const int32_t *table, int64_t len, float *restrict out, int64_t group, int64_t num_kv_heads,
+    int64_t head, const int64_t d, int64_t block_size, int64_t block_stride, float scale,
+    int64_t window, float soft_cap, float *restrict scores, float *restrict buf) {
+    int64_t start = (window > 0 && len > window) ? len - window : 0;
+    int64_t n = len - start;
+    for (int64_t g = 0; g < group; g++) {
+        const float *restrict qg = q + g * d;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = start + i;
+            int64_t row = (int64_t)table[t / block_size] * block_stride +
+                          ((t % block_size) * num_kv_heads + head) * d;
+            float s = dot(qg, load_row(k_cache, row, dtype, d, buf), d) * scale;
+            scores[g * n + i] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * n, peak = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < n; i++) peak = row[i] > peak ? row[i] : peak;
+        for (int64_t i = 0; i < n; i++) total += (row[i] = expf(row[i] - peak));
+        for (int64_t i = 0; i < n; i++) row[i] /= total;
+    }
+    /* A query head at a time, its output row accumulated in registers over the tokens (the
+     * values of one KV head are read back from cache by the other query heads of the group). */
+    for (int64_t g = 0; g < group; g++) {
+        float acc[d];
+        for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+        const float *restrict p = scores + g * n;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = start + i;
+            int64_t row = (int64_t)table[t / block_size] * block_stride +
+                          ((t % block_size) * num_kv_heads + head) * d;
+            const float *restrict v = load_row(v_cache, row, dtype, d, buf);
+            for (int64_t j = 0; j < d; j++) acc[j] += p[i] * v[j];
+        }
+        for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[j];
+    }
+}
+
+#define ATTEND_ONE(D)                                                                          \
+    attend_one(q, k_cache, v_cache, dtype, table, len, out, group, num_kv_heads, head, D,      \
+               block_size, block_stride, scale, window, soft_cap, scores, buf)
+
+static void attend_one_any(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                           const int32_t *table, int64_t len, float *out, int64_t group,
+                           int64_t num_kv_heads, int64_t head, int64_t d, int64_t block_size,
+                           int64_t block_stride, float scale, int64_t window, float soft_cap,
+                           float *scores, float *buf) {
+    switch (d) {
+        case 64: ATTEND_ONE(64); break;
+        case 128: ATTEND_ONE(128); break;
+        default: ATTEND_ONE(d);
+    }
+}
+
+/* q, out: (batch, num_heads, d) float32; block_tables: (batch, max_blocks) int32;
+ * context_lens: (batch,) int32, counting the new token. window <= 0: none; soft_cap <= 0: none.
+ * Returns 0, or -1 when scratch memory could not be had. */
+int paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                 const int32_t *block_tables, const int32_t *context_lens, float *out,
+                 int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                 int64_t block_size, int64_t block_stride, int64_t max_blocks, float scale,
+                 int64_t window, float soft_cap, int threads) {
+    int64_t group = num_heads / num_kv_heads, longest = 0;
+    for (int64_t b = 0; b < batch; b++)
+        longest = context_lens[b] > longest ? context_lens[b] : longest;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (group * longest + d));
+        if (scores == NULL) {
+            failed = 1;
+        } else {
+#pragma omp for collapse(2) schedule(dynamic)
+            for (int64_t b = 0; b < batch; b++) {
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    int64_t first = (b * num_heads + h * group) * d;
+                    attend_one_any(q + first, k_cache, v_cache, dtype,
+                                   block_tables + b * max_blocks, context_lens[b], out + first,
+                                   group, num_kv_heads, h, d, block_size, block_stride, scale,
+                                   window, soft_cap, scores, scores + group * longest);
+                }
+            }
+            free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* Write k, v: (num_tokens, row_len) at slot_mapping (block * block_size + offset); negative
+ * slots (padding) are skipped. row_len = num_kv_heads * d; elem_size: 4 or 2 bytes. */
+void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
+              const int64_t *slot_mapping, int64_t num_tokens, int64_t row_len,
+              int64_t elem_size, int64_t block_size, int64_t block_stride) {
+    int64_t row_bytes = row_len * elem_size;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        int64_t slot = slot_mapping[i];
+        if (slot < 0) continue;
+        int64_t at = ((slot / block_size) * block_stride + (slot % block_size) * row_len) *
+                     elem_size;
+        memcpy((char *)k_cache + at, (const char *)k + i * row_bytes, row_bytes);
+        memcpy((char *)v_cache + at, (const char *)v + i * row_bytes, row_bytes);
+    }
+}
