@@ -1,6 +1,6 @@
 """Attention dispatch: the one place that picks the Triton kernels or the torch path.
 
-"auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_paged.c: decode
+"auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_kernels.c: decode
 attention and KV stores reading the paged cache in place) where they built, else the torch path
 (kernels/torch_paged.py, the reference's maths arranged for a CPU; prefill always takes it).
 "torch", "cpu" and "triton" force one path (the engine config passes the choice down; nothing
@@ -19,7 +19,7 @@ from typing import Literal, cast
 
 import torch
 
-from engine.kernels import cpu_paged, torch_paged
+from engine.kernels import cpu_kernels, torch_paged
 from engine.kernels.reference import store_kv_ref
 
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
@@ -50,7 +50,7 @@ def decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
         )
     if _use_cpu_kernels(backend, k_cache):
-        return cpu_paged.paged_decode_attention(
+        return cpu_kernels.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
         )
     key = f"torch_decode_plan/{sliding_window}"  # layers may differ in their window
@@ -108,7 +108,7 @@ def write_kv(
         _check_runnable(k, store_kv.store_kv_kernel)
         store_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
     elif _use_cpu_kernels(backend, k_cache):
-        cpu_paged.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
@@ -123,12 +123,12 @@ def _use_triton(backend: AttentionBackend, x: torch.Tensor) -> bool:
 
 def _use_cpu_kernels(backend: AttentionBackend, cache: torch.Tensor) -> bool:
     if backend == "cpu":
-        if not cpu_paged.supports(cache):
+        if not cpu_kernels.supports(cache):
             raise RuntimeError(
                 "attention backend 'cpu' needs a float32 or bfloat16 CPU cache and a C compiler"
             )
         return True
-    return backend == "auto" and cpu_paged.supports(cache)
+    return backend == "auto" and cpu_kernels.supports(cache)
 
 
 def _check_runnable(x: torch.Tensor, kernel: object) -> None:

@@ -15,10 +15,11 @@ from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.guided import GrammarCompiler
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.linear import can_pack, pack_linear_layers
-from engine.model import load_model
+from engine.model import load_model, use_cpu_kernels
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
@@ -58,6 +59,9 @@ class LLMEngine:
         )
         if can_pack(config.device, config.torch_dtype):
             pack_linear_layers(self.model)  # oneDNN's layout, once (engine/linear.py)
+        weights = self.model.model.norm.weight
+        if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(weights):
+            use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path
         self.kv_cache = KVCache(
             self.model_config,
             config.num_blocks,

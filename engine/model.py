@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine import attention
+from engine.kernels import cpu_kernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig, RopeConfig
 
@@ -38,19 +39,35 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    fused = False  # the C kernel (kernels/cpu_kernels.c), set by use_cpu_kernels
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's skip connection and the next norm: (norm(residual + x), residual + x)."""
+        if self.fused:
+            residual = residual.contiguous()
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self(residual), residual
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in float32 as Hugging Face does."""
+
+    fused = False  # the C kernel, in place (kernels/cpu_kernels.c), set by use_cpu_kernels
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -63,6 +80,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
+            cpu_kernels.rope_(q, positions, self.cos, self.sin)
+            cpu_kernels.rope_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions][:, None, :]  # (num_tokens, 1, head_dim)
         sin = self.sin[positions][:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -178,13 +199,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the skip connection is
+        added by the next norm, the layer's or the next layer's, in one pass with it."""
+        if residual is None:  # the first layer: the stream is the embeddings
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderBody(nn.Module):
@@ -214,13 +243,23 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (num_rows, vocab_size)
+
+
+def use_cpu_kernels(model: CausalLM) -> None:
+    """Run the norms and the rotary embedding as the C kernels (CPU, float32 / bfloat16, where
+    the kernels built; see kernels/cpu_kernels.py): same maths, one pass each."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.fused = True
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> CausalLM:

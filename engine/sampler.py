@@ -90,13 +90,18 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Te
     """Bias, min_tokens and penalties: the stages that apply to greedy and sampled rows alike."""
     # A copy (nan_to_num never aliases), with NaN and +inf made harmless for the softmax below.
     x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=_MAX_LOGIT, neginf=_NEG_INF)
-    fallback = x.argmax(dim=-1, keepdim=True)  # (num_rows, 1), before any mask
+    # The raw argmax a row falls back on if its masks leave nothing: only where a row can be
+    # masked or is sampled (an argmax of a large batch's logits costs ~1 ms on one core).
+    may_revive = not all(s.params.greedy for s in states) or any(
+        s.matcher is not None or len(s.output_token_ids) < s.params.min_tokens for s in states
+    )
+    fallback = x.argmax(dim=-1, keepdim=True) if may_revive else None  # (num_rows, 1)
     x = _apply_logit_bias(x, states)
     masked = _apply_min_tokens(x, states)
     masked |= apply_grammar_masks(x, [s.matcher for s in states])
     x = _apply_repetition_penalty(x, states)
     x = _apply_presence_frequency(x, states)
-    if masked or not all(s.params.greedy for s in states):
+    if fallback is not None:
         x = _revive_dead_rows(x, fallback)
     return x
 

@@ -8,8 +8,8 @@ matrix multiply wants. On a CPU those copies are most of a decode step. Here:
   once with index_select into (group, padded_len, kv_heads, head_dim) and reads each KV head's
   keys and values in place as strided matrices, which batched matrix multiplies take without a
   copy; the mask is an additive bias folded into the first multiply;
-- prefill/extend runs each sequence through scaled_dot_product_attention, which has a fused
-  CPU kernel and handles GQA itself (soft-capping, which it lacks, takes the reference).
+- prefill/extend runs each sequence's chunk as two batched multiplies per KV head, with the query
+  heads that share it stacked (soft-capping takes the reference).
 
 Both compute in float32 like the reference; tests/unit/test_kernels.py holds them to it.
 """
@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.reference import key_mask, paged_prefill_attention_ref
 
@@ -152,13 +151,26 @@ def paged_prefill_attention(
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
         query_pos = torch.arange(total - (end - start), total, device=q.device)
         allowed = key_mask(query_pos[None], context_lens[b : b + 1].long(), total, sliding_window)
-        attended = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(),  # (num_heads, q_len, head_dim)
-            k.transpose(0, 1).float(),
-            v.transpose(0, 1).float(),
-            attn_mask=allowed,  # (1, q_len, keys), broadcast over heads
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start:end] = attended.transpose(0, 1)
+        out[start:end] = _attend_chunk(q[start:end], k, v, allowed[0], scale)
     return out
+
+
+def _attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence's chunk, q: (q_len, num_heads, d), over k, v: (num_keys, num_kv_heads, d)
+    with allowed: (q_len, num_keys). The query heads that share a KV head are stacked into one
+    (group * q_len, d) matrix, so each KV head is two plain matrix multiplies with no copy of
+    its keys per query head (scaled_dot_product_attention with a mask and GQA takes its
+    unfused path here, about twice as slow)."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    stacked = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    stacked = stacked.reshape(num_kv_heads, group * q_len, head_dim)
+    bias = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, -math.inf)
+    scores = torch.baddbmm(bias.repeat(group, 1), stacked, k.float().permute(1, 2, 0), alpha=scale)
+    # Every query sees its own position, so no row is all -inf.
+    attended = torch.bmm(torch.softmax(scores, dim=-1), v.float().transpose(0, 1))
+    attended = attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+    return attended.reshape(q_len, num_heads, head_dim).to(q.dtype)

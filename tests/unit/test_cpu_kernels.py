@@ -1,5 +1,5 @@
-"""The C kernels of the CPU path (engine/kernels/cpu_paged.c) against the torch reference, the
-dispatch that picks them, and the fallback when they cannot be built."""
+"""The C kernels of the CPU path (engine/kernels/cpu_kernels.c) against the torch reference and
+the torch modules, the dispatch that picks them, and the fallback when they cannot be built."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine import attention
-from engine.kernels import cpu_paged, torch_paged
+from engine.kernels import cpu_kernels, torch_paged
+from engine.llm import LLM
+from engine.model import RMSNorm, RotaryEmbedding
+from engine.model_config import RopeConfig
 from engine.kernels.reference import paged_decode_attention_ref, store_kv_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}  # as test_kernels.py
 
-pytestmark = pytest.mark.skipif(cpu_paged.library() is None, reason="no C compiler on this host")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this host")
 
 
 class PagedCache:
@@ -64,7 +68,7 @@ def test_decode_matches_reference(
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
     for window, cap in [(None, None), (20, None), (None, 3.0), (33, 5.0)]:
         expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
-        assert_close(cpu_paged.paged_decode_attention(*args, window, cap), expected)
+        assert_close(cpu_kernels.paged_decode_attention(*args, window, cap), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,9 +80,9 @@ def test_decode_with_threads_matches_one_thread(dtype: torch.dtype) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_paged.paged_decode_attention(*args)
+        one = cpu_kernels.paged_decode_attention(*args)
         torch.set_num_threads(2)
-        assert torch.equal(cpu_paged.paged_decode_attention(*args), one)  # same sums per row
+        assert torch.equal(cpu_kernels.paged_decode_attention(*args), one)  # same sums per row
     finally:
         torch.set_num_threads(threads)
 
@@ -91,7 +95,7 @@ def test_store_kv_writes_the_slots_of_the_pool_view(dtype: torch.dtype) -> None:
     k, v = torch.randn(5, 2, 64).to(dtype), torch.randn(5, 2, 64).to(dtype)
     expected = cache.pool.clone()
     store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
-    cpu_paged.store_kv(k, v, cache.k, cache.v, slots)
+    cpu_kernels.store_kv(k, v, cache.k, cache.v, slots)
     assert torch.equal(cache.pool, expected)  # other layers and the padding slot untouched
 
 
@@ -120,10 +124,11 @@ def test_without_a_compiler_the_engine_takes_the_torch_path(tmp_path: Path) -> N
     """No compiler (and an empty kernel cache): a warning, then the same outputs from torch."""
     script = (
         "import torch, logging; logging.basicConfig();"
-        "from engine.kernels import cpu_paged; from engine import attention;"
-        "assert cpu_paged.library() is None;"
+        "from engine.kernels import cpu_kernels; from engine import attention;"
+        "assert cpu_kernels.library() is None;"
         "from engine.llm import LLM; from common.sampling_params import SamplingParams;"
-        "out = LLM('builtin:tiny').generate(['a b c'], SamplingParams(max_tokens=4, ignore_eos=True));"
+        "params = SamplingParams(max_tokens=4, ignore_eos=True);"
+        "out = LLM('builtin:tiny').generate(['a b c'], params);"
         "print(len(out[0].outputs[0].token_ids))"
     )
     home = tmp_path / "home"
@@ -138,3 +143,54 @@ def test_without_a_compiler_the_engine_takes_the_torch_path(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "4"
     assert "CPU attention kernel unavailable, using the torch path" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_its_residual_add_match_the_torch_module(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, residual = (3 * torch.randn(7, 96)).to(dtype), torch.randn(7, 96).to(dtype)
+    expected, expected_sum = norm(x), residual + x
+    expected_after_add = norm(expected_sum)
+    norm.fused = True
+    assert_close(norm(x), expected)
+    out, summed = norm.add_and_norm(x, residual.clone())
+    assert torch.equal(summed, expected_sum)  # the same rounding of the sum as torch's add
+    assert_close(out, expected_after_add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype) -> None:
+    torch.manual_seed(6)
+    rotary = RotaryEmbedding(64, 512, RopeConfig(kind="default", theta=10000.0))
+    qkv = torch.randn(5, (4 + 2 * 2) * 64).to(dtype)  # 4 query heads, 2 KV heads
+    q, k, _ = qkv.split([256, 128, 128], dim=-1)
+    q, k = q.reshape(5, 4, 64), k.reshape(5, 2, 64)  # strided views, as the model makes them
+    positions = torch.tensor([0, 7, 100, 511, 3])
+    expected_q, expected_k = rotary(positions, q, k)
+    v_before = qkv[:, 384:].clone()
+    rotary.fused = True
+    got_q, got_k = rotary(positions, q, k)
+    assert got_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    assert_close(got_q, expected_q)
+    assert_close(got_k, expected_k)
+    assert torch.equal(qkv[:, 384:], v_before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_model_with_the_c_kernels_matches_the_torch_path(dtype: str) -> None:
+    """Prefill and decode logits of the tiny model through both paths, and the same greedy
+    tokens."""
+    prompts = [[5, 9, 31, 4, 77, 12, 8], [40, 2, 18]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM("builtin:tiny", dtype=dtype, attention_backend=backend, block_size=4)
+        assert llm.engine.model.model.norm.fused is (backend == "cpu")
+        runs[backend] = llm.generate(prompts, params)
+    for fused, plain in zip(runs["cpu"], runs["torch"], strict=True):
+        assert fused.outputs[0].token_ids == plain.outputs[0].token_ids
+        tolerance = 1e-4 if dtype == "float32" else 5e-2
+        for a, b in zip(fused.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
+            assert abs(a - b) <= tolerance * max(1.0, abs(b))

@@ -1,4 +1,5 @@
-"""The CPU's paged decode attention and KV stores: cpu_paged.c, built once per machine.
+"""The CPU path's C kernels (cpu_kernels.c), built once per machine: paged decode attention and
+KV stores, RMSNorm with its residual add, rotary embedding.
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
@@ -6,7 +7,9 @@ multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 
 lies, once: see the file's header. It is built with the host's C compiler (`$CC`, else `cc`)
 into ~/.cache/pdcluster/kernels, keyed by the source, the flags and the CPU's feature flags
 (`-march=native`), and loaded with ctypes. Where no compiler is found or the build fails,
-`library()` is None and attention takes the torch path (logged once).
+`library()` is None and the model takes the torch path (logged once). The norm and rotary
+kernels replace 6 and 16 small torch operations per call: ~2 ms of a one-token step of
+SmolLM2's 30 layers.
 
 Compiled with reassociation allowed (so the dot products vectorize) but not -ffast-math, which
 would set flush-to-zero for the whole process.
@@ -31,7 +34,7 @@ from common.model_cache import CACHE_ROOT
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_paged.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
     "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-lm",
@@ -39,12 +42,11 @@ FLAGS = (
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "paged_decode": (
-        _int, [_p, _p, _p, _int, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _i64,
-               _f32, _int],
-    ),  # fmt: skip
+_SIGNATURES = {  # name: (result, arguments), as the C declares them
+    "paged_decode": (_int, [_p, _p, _p, _int, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _int]),
     "store_kv": (None, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]),
+    "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int]),
+    "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
 }
 
 
@@ -69,6 +71,11 @@ def supports(cache: torch.Tensor) -> bool:
         and cache[0].is_contiguous()
         and library() is not None
     )
+
+
+def runs(x: torch.Tensor) -> bool:
+    """The norm and rotary kernels take this tensor: on the CPU, float32 or bfloat16."""
+    return x.device.type == "cpu" and x.dtype in DTYPE_CODES and library() is not None
 
 
 def paged_decode_attention(
@@ -119,6 +126,37 @@ def store_kv(
     )  # fmt: skip
 
 
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """model.RMSNorm's maths on x: (..., dim); with `residual`, of residual + x, which is written
+    back into residual (contiguous, x's dtype) as the decoder's skip connection."""
+    lib = library()
+    assert lib is not None and weight.dtype == x.dtype
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.dtype == x.dtype
+    lib.rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPE_CODES[x.dtype],
+    )  # fmt: skip
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x: (tokens, heads, head_dim) in place; each head's row contiguous, tokens any
+    stride (q and k can be views into the fused projection's output). cos, sin: float32
+    (max_positions, head_dim) tables."""
+    lib = library()
+    assert lib is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    positions = positions.to(torch.int64).contiguous()
+    lib.rope(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[x.dtype],
+    )  # fmt: skip
+
+
 def _build() -> Path:
     """The shared library for this source, flags and CPU, compiled on first use. Several
     processes may build at once: each writes its own temporary file and renames it into place."""
@@ -127,7 +165,7 @@ def _build() -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join((compiler, *FLAGS)).encode(), _cpu_flags()):
         key.update(part)
-    target = CACHE_ROOT / "kernels" / f"cpu_paged-{key.hexdigest()[:16]}.so"
+    target = CACHE_ROOT / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

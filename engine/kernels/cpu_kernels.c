@@ -1,4 +1,6 @@
-/* Paged decode attention and KV stores for the CPU, reading the block-major cache in place.
+/* The CPU path's kernels: paged decode attention and KV stores that read and write the
+ * block-major cache in place, and the decoder's RMSNorm (with its residual add) and rotary
+ * embedding, each one pass over its rows instead of a handful of torch operations.
  *
  * The torch path (torch_paged.py) must gather each sequence's blocks into a padded copy before a
  * batched multiply can read them: on a decode step that copy is as much memory traffic as the
@@ -11,7 +13,7 @@
  * apart (the other layers of the pool lie between). Element types: float32, or bfloat16 read as
  * the high half of a float32. q and out are float32 (the caller converts).
  *
- * Built by cpu_paged.py with the host's compiler; no Python or torch headers, so it builds in
+ * Built by cpu_kernels.py with the host's compiler; no Python or torch headers, so it builds in
  * about a second and is called through ctypes.
  */
 #include <math.h>
@@ -144,5 +146,81 @@ void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
                      elem_size;
         memcpy((char *)k_cache + at, (const char *)k + i * row_bytes, row_bytes);
         memcpy((char *)v_cache + at, (const char *)v + i * row_bytes, row_bytes);
+    }
+}
+
+/* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float get(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void put(void *p, int64_t i, float f, int dtype) {
+    if (dtype == F32)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = to_bf16(f);
+}
+
+/* The value as the tensor's dtype holds it: rounded to bfloat16 where the model rounds. */
+static inline float held(float f, int dtype) {
+    if (dtype == F32) return f;
+    uint16_t rounded = to_bf16(f);
+    return get(&rounded, 0, BF16);
+}
+
+/* Llama's RMSNorm over rows of x: (rows, dim), written to out, in the order Hugging Face computes
+ * it (in float32: x * rsqrt(mean(x^2) + eps), rounded to the dtype, times the weight). With a
+ * residual, the row normalised is residual + x, which is stored back into residual first (the
+ * decoder's skip connection, one pass instead of an add and a norm). */
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+              int64_t dim, float eps, int dtype) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t at = r * dim;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < dim; j++) {
+            float v = get(x, at + j, dtype);
+            if (residual != NULL) {
+                v = held(get(residual, at + j, dtype) + v, dtype);
+                put(residual, at + j, v, dtype);
+            }
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        const void *normed = residual != NULL ? residual : x;
+        for (int64_t j = 0; j < dim; j++) {
+            float v = held(get(normed, at + j, dtype) * inv, dtype);
+            put(out, at + j, get(weight, j, dtype) * v, dtype);
+        }
+    }
+}
+
+/* Rotary embedding in place (rotate-half form) on x: (tokens, heads, d) with rows token_stride
+ * elements apart and each head's d values contiguous; cos, sin: (positions, d) float32 tables.
+ * Computed in float32, as the reference does, and rounded once to the dtype. */
+void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
+          const int64_t *positions, const float *cos, const float *sin, int dtype) {
+    int64_t half = d / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t at = t * token_stride + h * d;
+            for (int64_t j = 0; j < half; j++) {
+                float x1 = get(x, at + j, dtype), x2 = get(x, at + j + half, dtype);
+                put(x, at + j, x1 * c[j] - x2 * s[j], dtype);
+                put(x, at + j + half, x2 * c[j + half] + x1 * s[j + half], dtype);
+            }
+        }
     }
 }
