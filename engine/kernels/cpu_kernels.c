@@ -35,6 +35,27 @@ static inline const float *load_row(const void *cache, int64_t index, int dtype,
     return buf;
 }
 
+/* exp(x) for the softmax's x <= 0, in float32 to about one unit in the last place (Cephes'
+ * expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits). Unlike
+ * libm's expf it has no call and no branch, so the loop over a row of scores vectorizes; below
+ * -87 (e^x < 1.7e-38, nothing next to the row's maximum of e^0) it returns e^-87. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float sum = 0.0f;
     for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
@@ -47,23 +68,27 @@ static inline __attribute__((always_inline)) void attend_one(
     const float *restrict q, const void *k_cache, const void *v_cache, int dtype,
     const int32_t *table, int64_t len, float *restrict out, int64_t group, int64_t num_kv_heads,
     int64_t head, const int64_t d, int64_t block_size, int64_t block_stride, float scale,
-    int64_t window, float soft_cap, float *restrict scores, float *restrict buf) {
+    int64_t window, float soft_cap, float *restrict scores, float *restrict buf,
+    int64_t *restrict rows) {
     int64_t start = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - start;
+    /* Where each token's row lies, found once by walking the block table (a division per
+     * token, in the loops below, would cost more than the dot products). */
+    for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; i++) {
+        rows[i] = (int64_t)table[block] * block_stride + (slot * num_kv_heads + head) * d;
+        if (++slot == block_size) slot = 0, block++;
+    }
     for (int64_t g = 0; g < group; g++) {
         const float *restrict qg = q + g * d;
         for (int64_t i = 0; i < n; i++) {
-            int64_t t = start + i;
-            int64_t row = (int64_t)table[t / block_size] * block_stride +
-                          ((t % block_size) * num_kv_heads + head) * d;
-            float s = dot(qg, load_row(k_cache, row, dtype, d, buf), d) * scale;
+            float s = dot(qg, load_row(k_cache, rows[i], dtype, d, buf), d) * scale;
             scores[g * n + i] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
         }
     }
     for (int64_t g = 0; g < group; g++) {
         float *row = scores + g * n, peak = -INFINITY, total = 0.0f;
         for (int64_t i = 0; i < n; i++) peak = row[i] > peak ? row[i] : peak;
-        for (int64_t i = 0; i < n; i++) total += (row[i] = expf(row[i] - peak));
+        for (int64_t i = 0; i < n; i++) total += (row[i] = exp_nonpositive(row[i] - peak));
         for (int64_t i = 0; i < n; i++) row[i] /= total;
     }
     /* A query head at a time, its output row accumulated in registers over the tokens (the
@@ -73,10 +98,7 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
         const float *restrict p = scores + g * n;
         for (int64_t i = 0; i < n; i++) {
-            int64_t t = start + i;
-            int64_t row = (int64_t)table[t / block_size] * block_stride +
-                          ((t % block_size) * num_kv_heads + head) * d;
-            const float *restrict v = load_row(v_cache, row, dtype, d, buf);
+            const float *restrict v = load_row(v_cache, rows[i], dtype, d, buf);
             for (int64_t j = 0; j < d; j++) acc[j] += p[i] * v[j];
         }
         for (int64_t j = 0; j < d; j++) out[g * d + j] = acc[j];
@@ -85,13 +107,13 @@ static inline __attribute__((always_inline)) void attend_one(
 
 #define ATTEND_ONE(D)                                                                          \
     attend_one(q, k_cache, v_cache, dtype, table, len, out, group, num_kv_heads, head, D,      \
-               block_size, block_stride, scale, window, soft_cap, scores, buf)
+               block_size, block_stride, scale, window, soft_cap, scores, buf, rows)
 
 static void attend_one_any(const float *q, const void *k_cache, const void *v_cache, int dtype,
                            const int32_t *table, int64_t len, float *out, int64_t group,
                            int64_t num_kv_heads, int64_t head, int64_t d, int64_t block_size,
                            int64_t block_stride, float scale, int64_t window, float soft_cap,
-                           float *scores, float *buf) {
+                           float *scores, float *buf, int64_t *rows) {
     switch (d) {
         case 64: ATTEND_ONE(64); break;
         case 128: ATTEND_ONE(128); break;
@@ -113,7 +135,10 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (group * longest + d));
+        /* per thread: the scores, a row converted to float32, then (8-byte aligned) the rows'
+         * offsets */
+        int64_t num_floats = (group * longest + d + 1) & ~(int64_t)1;
+        float *scores = malloc(sizeof(float) * num_floats + sizeof(int64_t) * longest);
         if (scores == NULL) {
             failed = 1;
         } else {
@@ -124,7 +149,8 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                     attend_one_any(q + first, k_cache, v_cache, dtype,
                                    block_tables + b * max_blocks, context_lens[b], out + first,
                                    group, num_kv_heads, h, d, block_size, block_stride, scale,
-                                   window, soft_cap, scores, scores + group * longest);
+                                   window, soft_cap, scores, scores + group * longest,
+                                   (int64_t *)(scores + num_floats));
                 }
             }
             free(scores);
