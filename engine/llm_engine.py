@@ -54,6 +54,11 @@ class LLMEngine:
         self.model_dir = config.model_dir()
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(  # past them the rotary tables have no rows, nor the model training
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.model_config.max_position_embeddings}"
+            )
         self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
             config.device
         )

@@ -14,10 +14,10 @@ import torch
 from common.sampling_params import SamplingParams
 from engine import attention
 from engine.kernels import cpu_kernels, torch_paged
+from engine.kernels.reference import paged_decode_attention_ref, store_kv_ref
 from engine.llm import LLM
 from engine.model import RMSNorm, RotaryEmbedding
 from engine.model_config import RopeConfig
-from engine.kernels.reference import paged_decode_attention_ref, store_kv_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}  # as test_kernels.py

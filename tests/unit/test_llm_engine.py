@@ -191,3 +191,9 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(
 def test_unknown_sampling_field_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="temprature"):
         SamplingParams(temprature=0.5)  # type: ignore[call-arg]
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_at_start() -> None:
+    """Past max_position_embeddings the rotary tables have no rows: refused, not read past."""
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        LLM("builtin:tiny", max_model_len=10**7)
