@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void attend_one(
     const int32_t *table, int64_t len, float *restrict out, int64_t group, int64_t num_kv_heads,
     int64_t head, const int64_t d, int64_t block_size, int64_t block_stride, float scale,
     int64_t window, float soft_cap, float *restrict scores, float *restrict buf,
-    int64_t *restrict rows) {
+    float *restrict staging, int64_t *restrict rows) {
     int64_t start = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - start;
     /* Where each token's row lies, found once by walking the block table (a division per
@@ -77,6 +77,17 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; i++) {
         rows[i] = (int64_t)table[block] * block_stride + (slot * num_kv_heads + head) * d;
         if (++slot == block_size) slot = 0, block++;
+    }
+    if (dtype == BF16) {
+        /* Converted once into float32 rows (n keys, then n values) instead of once per query
+         * head of the group: the loops below then read float32 either way. */
+        float *keys = staging, *values = staging + n * d;
+        for (int64_t i = 0; i < n; i++) {
+            load_row(k_cache, rows[i], BF16, d, keys + i * d);
+            load_row(v_cache, rows[i], BF16, d, values + i * d);
+            rows[i] = i * d;
+        }
+        k_cache = keys, v_cache = values, dtype = F32;
     }
     for (int64_t g = 0; g < group; g++) {
         const float *restrict qg = q + g * d;
@@ -107,13 +118,13 @@ static inline __attribute__((always_inline)) void attend_one(
 
 #define ATTEND_ONE(D)                                                                          \
     attend_one(q, k_cache, v_cache, dtype, table, len, out, group, num_kv_heads, head, D,      \
-               block_size, block_stride, scale, window, soft_cap, scores, buf, rows)
+               block_size, block_stride, scale, window, soft_cap, scores, buf, staging, rows)
 
 static void attend_one_any(const float *q, const void *k_cache, const void *v_cache, int dtype,
                            const int32_t *table, int64_t len, float *out, int64_t group,
                            int64_t num_kv_heads, int64_t head, int64_t d, int64_t block_size,
                            int64_t block_stride, float scale, int64_t window, float soft_cap,
-                           float *scores, float *buf, int64_t *rows) {
+                           float *scores, float *buf, float *staging, int64_t *rows) {
     switch (d) {
         case 64: ATTEND_ONE(64); break;
         case 128: ATTEND_ONE(128); break;
@@ -135,9 +146,10 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* per thread: the scores, a row converted to float32, then (8-byte aligned) the rows'
-         * offsets */
-        int64_t num_floats = (group * longest + d + 1) & ~(int64_t)1;
+        /* per thread: the scores, a row converted to float32, the rows of a bfloat16 cache
+         * converted, then (8-byte aligned) the rows' offsets */
+        int64_t staged = dtype == F32 ? 0 : 2 * longest * d;
+        int64_t num_floats = (group * longest + d + staged + 1) & ~(int64_t)1;
         float *scores = malloc(sizeof(float) * num_floats + sizeof(int64_t) * longest);
         if (scores == NULL) {
             failed = 1;
@@ -150,6 +162,7 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                                    block_tables + b * max_blocks, context_lens[b], out + first,
                                    group, num_kv_heads, h, d, block_size, block_stride, scale,
                                    window, soft_cap, scores, scores + group * longest,
+                                   scores + group * longest + d,
                                    (int64_t *)(scores + num_floats));
                 }
             }
