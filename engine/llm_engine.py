@@ -64,8 +64,8 @@ class LLMEngine:
         )
         if can_pack(config.device, config.torch_dtype):
             pack_linear_layers(self.model)  # oneDNN's layout, once (engine/linear.py)
-        weights = self.model.model.norm.weight
-        if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(weights):
+        norm_weight = self.model.model.norm.weight  # the model's dtype and device
+        if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(norm_weight):
             use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path
         self.kv_cache = KVCache(
             self.model_config,

@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-    "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-lm",
+    "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
 )  # fmt: skip
+LIBS = ("-lm",)  # after the source on the command line
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -63,19 +64,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(cache: torch.Tensor) -> bool:
-    """The kernel reads this cache: on the CPU, float32 or bfloat16, rows contiguous."""
-    return (
-        cache.device.type == "cpu"
-        and cache.dtype in DTYPE_CODES
-        and cache[0].is_contiguous()
-        and library() is not None
-    )
-
-
 def runs(x: torch.Tensor) -> bool:
     """The norm and rotary kernels take this tensor: on the CPU, float32 or bfloat16."""
     return x.device.type == "cpu" and x.dtype in DTYPE_CODES and library() is not None
+
+
+def supports(cache: torch.Tensor) -> bool:
+    """The attention and store kernels read this cache: as `runs`, and each block contiguous."""
+    return runs(cache) and cache[0].is_contiguous()
 
 
 def paged_decode_attention(
@@ -163,7 +159,7 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     compiler = compiler.split()[0]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join((compiler, *FLAGS)).encode(), _cpu_flags()):
+    for part in (SOURCE.read_bytes(), " ".join((compiler, *FLAGS, *LIBS)).encode(), _cpu_flags()):
         key.update(part)
     target = CACHE_ROOT / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -173,7 +169,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS[:-1], str(SOURCE), "-o", staging, FLAGS[-1]],
+            [compiler, *FLAGS, str(SOURCE), "-o", staging, *LIBS],
             check=True, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         os.replace(staging, target)

@@ -35,6 +35,7 @@ from engine.kernels.reference import (  # noqa: E402
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from tests.paged_cache import DEVICE, PagedCache, assert_close  # noqa: E402
 
 RUN_HERE = ON_GPU or all(
     isinstance(fn, InterpretedFunction)
@@ -48,49 +49,6 @@ RUN_HERE = ON_GPU or all(
 needs_kernels = pytest.mark.skipif(
     not RUN_HERE, reason="triton was imported compiled before this module: run in a subprocess"
 )
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-TOLERANCE = {  # (atol, rtol): about two units in the last place of outputs of magnitude ~2
-    torch.float32: (2e-5, 1e-5),
-    torch.float16: (4e-3, 4e-3),
-    torch.bfloat16: (3e-2, 2e-2),
-}
-
-
-class PagedCache:
-    """K/V views of layer 1 of a block-major pool (strided like the engine's), with shuffled
-    per-sequence block tables and random contents."""
-
-    def __init__(
-        self,
-        lens: list[int],
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        dtype: torch.dtype,
-        extra_blocks: int = 3,
-    ) -> None:
-        blocks_per_seq = [-(-n // block_size) for n in lens]
-        num_blocks = sum(blocks_per_seq) + extra_blocks
-        self.pool = torch.randn(
-            num_blocks, 2, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE
-        )  # (num_blocks, num_layers, K/V, block_size, num_kv_heads, head_dim)
-        self.k, self.v = self.pool[:, 1, 0], self.pool[:, 1, 1]
-        order = torch.randperm(num_blocks).tolist()
-        width = max(blocks_per_seq)
-        tables = []
-        for n in blocks_per_seq:
-            row, order = order[:n], order[n:]
-            tables.append(row + [0] * (width - n))  # padding entries are never read
-        self.block_tables = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
-        self.context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-
-
-def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = TOLERANCE[ref.dtype]
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
-
 
 # --- the reference against a naive per-token loop -----------------------------------------------
 
@@ -178,7 +136,7 @@ def test_decode_matches_reference_on_mixed_batch(
     cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(len(lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
-    _assert_close(decode.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+    assert_close(decode.paged_decode_attention(*args), paged_decode_attention_ref(*args))
 
 
 @needs_kernels
@@ -190,7 +148,7 @@ def test_decode_split_kv_merges_to_reference(num_splits: int) -> None:
     q = torch.randn(2, 8, 64, dtype=torch.float16, device=DEVICE)
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
     out = decode.paged_decode_attention(*args, num_splits=num_splits)
-    _assert_close(out, paged_decode_attention_ref(*args))
+    assert_close(out, paged_decode_attention_ref(*args))
 
 
 @needs_kernels
@@ -203,7 +161,7 @@ def test_decode_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
     for window, cap in [(20, None), (None, 3.0), (33, 5.0)]:
         expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
         out = decode.paged_decode_attention(*args, window, cap, num_splits=2)
-        _assert_close(out, expected)
+        assert_close(out, expected)
 
 
 def test_decode_split_heuristic() -> None:
@@ -249,7 +207,7 @@ def test_prefill_with_cached_prefix_matches_reference(
     cache = PagedCache(lens, num_kv_heads, head_dim, block_size, dtype)
     q, cu = _packed_queries(q_lens, num_heads, head_dim, dtype)
     args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
-    _assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
+    assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
 
 
 @needs_kernels
@@ -264,7 +222,7 @@ def test_prefill_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
     args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 0.125)
     for window, cap in [(16, None), (None, 3.0), (9, 5.0)]:
         expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
-        _assert_close(prefill.paged_prefill_attention(*args, window, cap), expected)
+        assert_close(prefill.paged_prefill_attention(*args, window, cap), expected)
 
 
 # --- the torch path (the CPU's) against the reference ---------------------------------------------
@@ -281,7 +239,7 @@ def test_torch_path_decode_matches_reference(
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
     for window, cap in [(None, None), (20, None), (None, 3.0), (33, 5.0)]:
         expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
-        _assert_close(torch_paged.paged_decode_attention(*args, window, cap), expected)
+        assert_close(torch_paged.paged_decode_attention(*args, window, cap), expected)
 
 
 def test_torch_path_decode_groups_cover_every_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,7 +253,7 @@ def test_torch_path_decode_groups_cover_every_sequence(monkeypatch: pytest.Monke
     q = torch.randn(len(lens), 8, 64, device=DEVICE)
     args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
     monkeypatch.setattr(torch_paged, "GROUP_BYTES", 100 * 2 * 2 * 64 * 4)  # 100 tokens' K and V
-    _assert_close(torch_paged.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+    assert_close(torch_paged.paged_decode_attention(*args), paged_decode_attention_ref(*args))
 
 
 def test_torch_path_plan_is_made_once_per_pass_and_per_window() -> None:
@@ -310,7 +268,7 @@ def test_torch_path_plan_is_made_once_per_pass_and_per_window() -> None:
         for layer in layers:
             args = (q, layer.k, layer.v, tables, lens, 0.125, window)
             out = attention.decode_attention(*args, backend="torch", shared=shared)
-            _assert_close(out, paged_decode_attention_ref(*args))
+            assert_close(out, paged_decode_attention_ref(*args))
     assert sorted(shared) == ["torch_decode_plan/12", "torch_decode_plan/None"]
 
 
@@ -326,7 +284,7 @@ def test_torch_path_prefill_matches_reference(
     args = (4 * q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
     for window, cap in [(None, None), (16, None), (9, 5.0)]:
         expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
-        _assert_close(torch_paged.paged_prefill_attention(*args, window, cap), expected)
+        assert_close(torch_paged.paged_prefill_attention(*args, window, cap), expected)
 
 
 # --- store_kv and the dispatch --------------------------------------------------------------------
@@ -385,7 +343,7 @@ def test_dispatch_forced_triton_matches_torch_end_to_end() -> None:
         outs[backend] = (dec, pre)
     assert torch.equal(caches["torch"].pool, caches["triton"].pool)
     for got, expected in zip(outs["triton"], outs["torch"], strict=True):
-        _assert_close(got, expected)
+        assert_close(got, expected)
 
 
 def test_dispatch_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
