@@ -169,8 +169,32 @@ def _attend_chunk(
     stacked = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     stacked = stacked.reshape(num_kv_heads, group * q_len, head_dim)
     bias = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, -math.inf)
-    scores = torch.baddbmm(bias.repeat(group, 1), stacked, k.float().permute(1, 2, 0), alpha=scale)
-    # Every query sees its own position, so no row is all -inf.
-    attended = torch.bmm(torch.softmax(scores, dim=-1), v.float().transpose(0, 1))
+    bias = bias.repeat(group, 1)
+    if _onednn_runs(q):
+        attended = _attend_onednn(stacked, k.float(), v.float(), bias, scale)
+    else:
+        scores = torch.baddbmm(bias, stacked, k.float().permute(1, 2, 0), alpha=scale)
+        # Every query sees its own position, so no row is all -inf.
+        attended = torch.bmm(torch.softmax(scores, dim=-1), v.float().transpose(0, 1))
     attended = attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
     return attended.reshape(q_len, num_heads, head_dim).to(q.dtype)
+
+
+def _onednn_runs(x: torch.Tensor) -> bool:
+    return not x.is_cuda and torch.backends.mkldnn.is_available()
+
+
+def _attend_onednn(
+    stacked: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same two multiplies per KV head through oneDNN's matmul (as engine/linear.py, for
+    the same reason: torch's CPU bmm calls MKL, which takes a generic path on AMD hosts). About
+    3x faster than baddbmm / bmm at a 192-token chunk of SmolLM2; float32 throughout."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    out = torch.empty_like(stacked)
+    for head in range(stacked.shape[0]):
+        scores = linear(stacked[head], k[:, head].contiguous(), None, "none", [], "")
+        scores.mul_(scale).add_(bias)
+        probs = torch.softmax(scores, dim=-1)  # every query sees its own position: no -inf row
+        out[head] = linear(probs, v[:, head].t().contiguous(), None, "none", [], "")
+    return out
