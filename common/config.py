@@ -138,6 +138,9 @@ class ClusterConfig(_Section, frozen=True):
     # PULL sockets, UCX listeners) is taken from here; None: any free port
     port_range: tuple[Port, Port] | None = None
     tool_parser: ToolParserName | None = None  # None: the builtin's, else by config.json model_type
+    # POST /start_profile and /stop_profile: each engine worker's torch profiler trace and op
+    # table are written here (on that worker's host); None: profiling is off and they are 404s
+    profiler_dir: str | None = None
 
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()

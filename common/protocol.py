@@ -3,6 +3,8 @@
     frontend ──GenerateRequest / Abort──────────────▶ orchestrator (ROUTER)
     frontend, CLI ──ClusterInfoRequest──────────────▶ orchestrator ──ClusterInfo──▶ asker
     frontend ──DrainKVEvents────────────────────────▶ orchestrator ──KVEventsDrained──▶ frontend
+    frontend ──Profile──▶ orchestrator ──Profile──▶ every engine worker ──ProfileDone──▶
+        orchestrator ──ProfileDone (all answers merged)──▶ frontend
     context / generation worker ──KVEvents──────────▶ orchestrator (kv_aware router, event queue)
     orchestrator ──RequestFailed────────────────────▶ frontend
     worker ──Register / Heartbeat───────────────────▶ orchestrator ──Registered / Refused──▶ worker
@@ -308,6 +310,25 @@ class ClusterInfo(_Message, tag="cluster_info"):
     num_requests: int = 0  # requests the orchestrator is tracking
 
 
+PROFILE_ANSWER_TIMEOUT_S = 60.0  # the orchestrator's wait for every worker (a stop writes a trace)
+
+
+class Profile(_Message, tag="profile"):
+    """POST /start_profile or /stop_profile: the torch profiler around every engine worker's
+    steps (engine/profiling.py)."""
+
+    action: Literal["start", "stop"]
+
+
+class ProfileDone(_Message, tag="profile_done"):
+    """One engine worker's answer to a Profile, or (orchestrator → frontend) all of them."""
+
+    action: Literal["start", "stop"]
+    workers: list[str] = msgspec.field(default_factory=list)  # the workers that did it
+    files: list[str] = msgspec.field(default_factory=list)  # traces and tables written (stop)
+    errors: list[str] = msgspec.field(default_factory=list)  # "<worker id>: <why>"
+
+
 class TokenBatch(_Message, tag="tokens"):
     deltas: list[TokenDelta]
     first: list[GenerateRequest] = msgspec.field(
@@ -348,6 +369,8 @@ Message = (
     | KVEvents
     | DrainKVEvents
     | KVEventsDrained
+    | Profile
+    | ProfileDone
 )
 
 _encoder = msgspec.msgpack.Encoder()

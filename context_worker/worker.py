@@ -22,6 +22,7 @@ from common.protocol import (
     Message,
     PrefillDone,
     PrefillRequest,
+    Profile,
     Register,
     Registered,
     RequestFailed,
@@ -33,6 +34,7 @@ from common.protocol import (
 from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
 from context_worker.leases import LeaseTable
 from engine.llm_engine import TokenOutput
+from engine.profiling import EngineProfiler
 from engine.serving import (
     KVEventRelay,
     build_engine,
@@ -55,6 +57,7 @@ class ContextWorker:
         self.first_tokens: dict[str, list[TokenDelta]] = {}
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
+        self.profiler = EngineProfiler(config.profiler_dir, worker_id, config.device)
         register = Register(
             worker_id=worker_id,
             role="context",
@@ -103,6 +106,8 @@ class ContextWorker:
             self.start(message)
         elif isinstance(message, Abort):
             self.abort(message.request_id)
+        elif isinstance(message, Profile):
+            self.link.send(self.profiler.answer(message))
 
     def start(self, prefill: PrefillRequest) -> None:
         request = prefill.request
@@ -180,6 +185,7 @@ class ContextWorker:
         self.leases.release(request_id)
 
     def close(self) -> None:
+        self.profiler.close()
         self.events.close()
         self.agent.close()
         self.push.close()

@@ -30,6 +30,7 @@ from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
 from frontend.openapi import openapi_document
+from frontend.profiling import profile_response
 from frontend.response_store import open_store
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
@@ -289,6 +290,12 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             return error_response(503, "the orchestrator does not answer", code="unhealthy")
         return Response(drained.events_json, media_type="application/json")
 
+    async def start_profile(request: Request) -> Response:
+        return await profile_response(config, client, "start")
+
+    async def stop_profile(request: Request) -> Response:
+        return await profile_response(config, client, "stop")
+
     async def prometheus_metrics(request: Request) -> Response:
         info = await client.cluster_info(HEALTH_TIMEOUT_S)
         return Response(metrics.render(info), media_type=CONTENT_TYPE_LATEST)
@@ -322,6 +329,8 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/cluster_info", cluster_info, methods=["GET"]),
         Route("/kv_cache_events", kv_cache_events, methods=["POST"]),
+        Route("/start_profile", start_profile, methods=["POST"]),
+        Route("/stop_profile", stop_profile, methods=["POST"]),
         Route("/metrics", prometheus_metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

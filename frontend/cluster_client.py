@@ -1,7 +1,7 @@
 """The frontend's side of the cluster: submit GenerateRequests, receive their chunks, abort.
 
-    GenerateRequest / Abort / ClusterInfoRequest ──DEALER──▶ orchestrator
-    RequestFailed / ClusterInfo ◀──────────────────DEALER─── orchestrator
+    GenerateRequest / Abort / ClusterInfoRequest / Profile ──DEALER──▶ orchestrator
+    RequestFailed / ClusterInfo / ProfileDone ◀──────────────DEALER─── orchestrator
     Chunk ◀────────────────────────────────────────PULL───── postproc workers (at `reply_to`)
 
 Each open request has an asyncio.Queue that the two reader tasks fill; the route handler reads
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from collections import defaultdict, deque
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -34,6 +34,8 @@ from common.protocol import (
     Heartbeat,
     KVEventsDrained,
     Message,
+    Profile,
+    ProfileDone,
     Refused,
     Register,
     RegisterAgain,
@@ -119,6 +121,12 @@ class ClusterClient:
     async def drain_kv_events(self, timeout_s: float) -> KVEventsDrained | None:
         return await self._ask(DrainKVEvents(), KVEventsDrained, timeout_s)
 
+    async def profile(
+        self, action: Literal["start", "stop"], timeout_s: float
+    ) -> ProfileDone | None:
+        """Every engine worker's answer to POST /start_profile or /stop_profile, merged."""
+        return await self._ask(Profile(action=action), ProfileDone, timeout_s)
+
     async def _ask(self, question: Message, answer: type[T], timeout_s: float) -> T | None:
         waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._waiters[answer].append(waiter)
@@ -142,7 +150,7 @@ class ClusterClient:
     def _on_orchestrator(self, message: Message | None) -> None:
         if isinstance(message, RequestFailed):
             self._deliver(message.request_id, message)
-        elif isinstance(message, ClusterInfo | KVEventsDrained):
+        elif isinstance(message, ClusterInfo | KVEventsDrained | ProfileDone):
             waiters = self._waiters[type(message)]
             while waiters:  # answers come in order; skip waiters that timed out
                 waiter = waiters.popleft()

@@ -49,6 +49,8 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
     "/health_generate": ("get", "200 when a one-token request completes", None, None),
     "/cluster_info": ("get", "Every process of the cluster, with its KV usage", None, None),
     "/kv_cache_events": ("post", "Drain the KV events (TensorRT-LLM's JSON)", None, None),
+    "/start_profile": ("post", "Start the torch profiler on every engine worker", None, None),
+    "/stop_profile": ("post", "Stop it; each worker writes its trace and op table", None, None),
     "/metrics": ("get", "Prometheus metrics of the frontends and every worker", None, None),
 }
 

@@ -28,6 +28,7 @@ from common.protocol import (
     Message,
     PeersRequest,
     PrefillDone,
+    Profile,
     Register,
     Registered,
     RequestFailed,
@@ -40,6 +41,7 @@ from common.protocol import (
 from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
 from engine.kv_transfer import KVTransferError
 from engine.llm_engine import TokenOutput
+from engine.profiling import EngineProfiler
 from engine.serving import (
     KVEventRelay,
     build_engine,
@@ -89,6 +91,7 @@ class GenerationWorker:
         self._peers_asked_at = 0.0
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
+        self.profiler = EngineProfiler(config.profiler_dir, worker_id, config.device)
         register = Register(
             worker_id=worker_id,
             role="generation",
@@ -148,6 +151,8 @@ class GenerationWorker:
             self.abort(message.request_id)
         elif isinstance(message, Registered):
             self.sync_peers(message.peers)
+        elif isinstance(message, Profile):
+            self.link.send(self.profiler.answer(message))
 
     def sync_peers(self, pools: list[KVPool]) -> None:
         """Load each context worker's pool once (not per request); forget the departed."""
@@ -430,6 +435,7 @@ class GenerationWorker:
         self.end(active)
 
     def close(self) -> None:
+        self.profiler.close()
         self.events.close()
         self.agent.close()
         self.push.close()

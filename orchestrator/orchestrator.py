@@ -38,6 +38,8 @@ from common.protocol import (
     PeersRequest,
     PrefillDone,
     PrefillRequest,
+    Profile,
+    ProfileDone,
     Refused,
     Register,
     RegisterAgain,
@@ -48,6 +50,7 @@ from common.protocol import (
     decode_token_ids,
 )
 from orchestrator.kv_event_log import KVEventLog
+from orchestrator.profile_round import ProfileRound
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import PrefixIndex, make_router
 
@@ -106,6 +109,7 @@ class Orchestrator:
         self.requests: dict[str, RequestRecord] = {}
         self.peers_version = 0
         self._peer_names: tuple[str, ...] = ()  # the agents `peers_version` lists
+        self.profile_round: ProfileRound | None = None
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -133,6 +137,10 @@ class Orchestrator:
             self.on_kv_events(message)
         elif isinstance(message, DrainKVEvents):
             out.append((sender, KVEventsDrained(events_json=self.kv_events.drain())))
+        elif isinstance(message, Profile):
+            self.on_profile(sender, message, now, out)
+        elif isinstance(message, ProfileDone):
+            self.on_profile_done(sender, message, out)
         else:
             logger.warning("ignored a %s from %r", type(message).__name__, sender)
         self.update_peers(out)
@@ -151,6 +159,7 @@ class Orchestrator:
                 now - worker.last_seen,
             )
             self.worker_lost(worker, out)
+        self.check_profile_round(now, out)
         self.update_peers(out)
         return out
 
@@ -230,6 +239,43 @@ class Orchestrator:
         update = self.peers()
         for worker in self.registry.live("generation"):
             out.append((worker.worker_id.encode(), update))
+
+    # --- profiling (POST /start_profile, /stop_profile) ---------------------------------------
+
+    def on_profile(self, sender: bytes, command: Profile, now: float, out: Outbox) -> None:
+        if self.profile_round is not None:
+            busy = f"orchestrator: a {self.profile_round.answer.action} is in progress"
+            out.append((sender, ProfileDone(action=command.action, errors=[busy])))
+            return
+        engines = self.registry.live("context") + self.registry.live("generation")
+        if not engines:
+            refusal = "orchestrator: no engine worker is up"
+            out.append((sender, ProfileDone(action=command.action, errors=[refusal])))
+            return
+        ids = [worker.worker_id for worker in engines]
+        self.profile_round = ProfileRound.begin(sender, command, ids, now)
+        out.extend((worker_id.encode(), command) for worker_id in ids)
+
+    def on_profile_done(self, sender: bytes, done: ProfileDone, out: Outbox) -> None:
+        if self.profile_round is not None:
+            self.profile_round.on_answer(sender.decode(errors="replace"), done)
+            self.end_profile_round(out)
+
+    def check_profile_round(self, now: float, out: Outbox) -> None:
+        """Each tick: a worker that died since the command is not waited for."""
+        if self.profile_round is None:
+            return
+        for worker_id in list(self.profile_round.waiting):
+            worker = self.registry.workers.get(worker_id)
+            if worker is None or not worker.alive:
+                self.profile_round.give_up_on(worker_id, "lost before it answered")
+        self.profile_round.expire(now)
+        self.end_profile_round(out)
+
+    def end_profile_round(self, out: Outbox) -> None:
+        if self.profile_round is not None and self.profile_round.complete:
+            out.append((self.profile_round.asker, self.profile_round.answer))
+            self.profile_round = None
 
     def cluster_info(self, now: float) -> ClusterInfo:
         me = WorkerInfo(

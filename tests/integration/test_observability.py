@@ -1,9 +1,12 @@
-"""KV events, KV-aware routing and /metrics on a disaggregated cluster with two generation
-workers."""
+"""KV events, KV-aware routing, /metrics and the profiler routes on a disaggregated cluster with
+two generation workers."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -21,14 +24,19 @@ LONG_PREFIX = (
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster) -> Cluster:
+def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, profile_dir: Path) -> Cluster:
     # engine worker k binds the base port + k (gen-0, gen-1, ctx-0): three free ports each
     events = free_port(6)
     replay = events + 3
     kv_cache = (
         f'events: {{zmq: "tcp://127.0.0.1:{events}", replay_zmq: "tcp://127.0.0.1:{replay}"}}'
     )
-    extra = "generation_workers: {count: 2}\n"
+    extra = f"generation_workers: {{count: 2}}\nprofiler_dir: {profile_dir}\n"
     return start_cluster("disaggregated", extra=extra, kv_cache=kv_cache)
 
 
@@ -187,3 +195,39 @@ def test_metrics_scrape_has_every_family_with_sane_values(cluster) -> None:
         ("pp-0", "postproc"),
         ("pp-1", "postproc"),
     }
+
+
+def test_profile_routes_write_every_engine_workers_trace_and_op_table(
+    cluster: Cluster, profile_dir: Path
+) -> None:
+    engines = {"ctx-0", "gen-0", "gen-1"}
+    with httpx.Client(base_url=cluster.url, timeout=90) as http:
+        stop_before = http.post("/stop_profile")
+        assert stop_before.status_code == 409, stop_before.text  # nothing is running
+        assert "not running" in stop_before.json()["error"]["message"]
+        started = http.post("/start_profile")
+        assert started.status_code == 200, started.text
+        assert set(started.json()["workers"]) == engines and started.json()["errors"] == []
+        assert http.post("/start_profile").status_code == 409  # already running everywhere
+        for i in range(4):  # spread over both generation workers
+            complete(cluster, f"{i} profiled request about the river")
+        stopped = http.post("/stop_profile")
+    assert stopped.status_code == 200, stopped.text
+    body = stopped.json()
+    assert set(body["workers"]) == engines and body["errors"] == []
+    files = [Path(f) for f in body["files"]]
+    assert {f.parent for f in files} == {profile_dir}
+    assert {f.name.split("-2")[0] for f in files} == engines  # <worker>-<time>.<kind>
+    for trace in (f for f in files if f.name.endswith(".pt.trace.json.gz")):
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), trace
+    tables = [f.read_text() for f in files if f.name.endswith(".ops.txt")]
+    assert len(tables) == 3 and all("Self CPU" in t and "aten::" in t for t in tables)
+
+
+def test_profile_routes_are_404_when_profiling_is_off(start_cluster) -> None:
+    cluster = start_cluster("aggregated")
+    with httpx.Client(base_url=cluster.url, timeout=10) as http:
+        response = http.post("/start_profile")
+    assert response.status_code == 404
+    assert "profiler_dir" in response.json()["error"]["message"]

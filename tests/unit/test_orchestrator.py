@@ -21,6 +21,8 @@ from common.protocol import (
     PeersRequest,
     PrefillDone,
     PrefillRequest,
+    Profile,
+    ProfileDone,
     Refused,
     Register,
     RegisterAgain,
@@ -32,6 +34,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from orchestrator.orchestrator import Orchestrator, Outbox, State
+from orchestrator.profile_round import ANSWER_TIMEOUT_S
 from orchestrator.registry import WorkerRecord
 from orchestrator.router import KVAwareRouter, LeastLoadedRouter, PrefixIndex, RoundRobinRouter
 
@@ -291,6 +294,66 @@ def test_cluster_info_lists_every_worker_and_the_orchestrator() -> None:
         ("generation", "gen-0"),
         ("postproc", "pp-0"),
     ]
+
+
+def test_a_profile_command_reaches_every_engine_worker_and_their_answers_come_back_as_one() -> None:
+    orch = cluster(generations=2)
+    out = orch.handle(FRONTEND, Profile(action="stop"), 1.0)
+    assert sorted(out) == [(w, Profile(action="stop")) for w in (b"ctx-0", b"gen-0", b"gen-1")]
+    busy = only(orch.handle(b"fe-1", Profile(action="start"), 1.0))  # one round at a time
+    assert busy[0] == b"fe-1" and "in progress" in busy[1].errors[0]
+    gen0 = ProfileDone(action="stop", workers=["gen-0"], files=["/p/gen-0.ops.txt"])
+    assert orch.handle(b"gen-0", gen0, 1.1) == []
+    assert orch.handle(b"gen-0", gen0, 1.1) == []  # a repeat counts once
+    assert orch.handle(b"ctx-0", ProfileDone(action="stop", errors=["ctx-0: no"]), 1.2) == []
+    gen1 = ProfileDone(action="stop", workers=["gen-1"], files=["/p/gen-1.ops.txt"])
+    assert only(orch.handle(b"gen-1", gen1, 1.3)) == (
+        FRONTEND,
+        ProfileDone(
+            action="stop",
+            workers=["gen-0", "gen-1"],
+            files=["/p/gen-0.ops.txt", "/p/gen-1.ops.txt"],
+            errors=["ctx-0: no"],
+        ),
+    )
+    assert orch.profile_round is None
+
+
+def test_a_profile_round_ends_without_the_workers_that_die_or_stay_silent() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, Profile(action="start"), 0.0)
+    assert orch.handle(b"gen-0", ProfileDone(action="start", workers=["gen-0"]), 0.1) == []
+    orch.handle(b"gen-0", Heartbeat(worker_id="gen-0"), 4.0)  # ctx-0 goes silent
+    orch.handle(b"pp-0", Heartbeat(worker_id="pp-0"), 4.0)
+    assert not any(isinstance(m, ProfileDone) for _, m in orch.tick(4.5))
+    answered = [(t, m) for t, m in orch.tick(6.0) if isinstance(m, ProfileDone)]
+    assert answered == [
+        (
+            FRONTEND,
+            ProfileDone(
+                action="start", workers=["gen-0"], errors=["ctx-0: lost before it answered"]
+            ),
+        )
+    ]
+    orch.handle(FRONTEND, Profile(action="start"), 7.0)  # now to gen-0 only, which stays silent
+    for now in (8.0, 7.0 + ANSWER_TIMEOUT_S / 2):
+        for worker_id in (b"gen-0", b"pp-0"):
+            orch.handle(worker_id, Heartbeat(worker_id=worker_id.decode()), now)
+        assert not any(isinstance(m, ProfileDone) for _, m in orch.tick(now))
+    orch.handle(b"gen-0", Heartbeat(worker_id="gen-0"), 7.0 + ANSWER_TIMEOUT_S)
+    orch.handle(b"pp-0", Heartbeat(worker_id="pp-0"), 7.0 + ANSWER_TIMEOUT_S)
+    late = [m for _, m in orch.tick(7.0 + ANSWER_TIMEOUT_S) if isinstance(m, ProfileDone)]
+    assert late == [ProfileDone(action="start", errors=["gen-0: no answer in 60 s"])]
+
+
+def test_a_profile_command_with_no_engine_worker_up_is_answered_at_once() -> None:
+    orch = Orchestrator(parse_cluster_config(""))
+    register(orch, "pp-0", "postproc")
+    reply = only(orch.handle(FRONTEND, Profile(action="start"), 0.0))
+    assert reply == (
+        FRONTEND,
+        ProfileDone(action="start", errors=["orchestrator: no engine worker is up"]),
+    )
 
 
 def workers(*loads: int) -> list[WorkerRecord]:
