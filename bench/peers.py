@@ -52,6 +52,7 @@ VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 SERVERS = ("vllm", "aggregated", "disaggregated")
+PROFILE_TOP_OPS = 12
 INPUT_LEN, INPUT_RANGE, OUTPUT_LEN = 192, 1 / 3, 128  # prompts of 128-256 tokens
 
 
@@ -91,13 +92,18 @@ def vllm_environment(bin_dir: Path) -> dict[str, str]:
 class VllmServer:
     """`vllm serve` on a free port; the first start compiles (minutes), later ones reuse it."""
 
-    def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path):
+    def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path,
+                 profile_dir: Path | None = None):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / f"vllm-{dtype}.log").open("ab")
         command = [str(bin_dir / "vllm"), "serve", str(model_dir), "--served-model-name", model,
                    "--dtype", dtype, "--port", str(self.port),
                    "--max-model-len", "2048"]  # fmt: skip
+        if profile_dir is not None:  # the engine core's ops only, no stacks: as ours records
+            profiler = {"profiler": "torch", "torch_profiler_dir": str(profile_dir),
+                        "torch_profiler_with_stack": False, "ignore_frontend": True}  # fmt: skip
+            command += ["--profiler-config", json.dumps(profiler)]
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT,
             env=vllm_environment(bin_dir), start_new_session=True,
@@ -165,10 +171,78 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
 
 
 def start(server: str, bin_dir: Path, model: str, model_dir: Path, dtype: str,
-          workdir: Path) -> VllmServer | Cluster:  # fmt: skip
+          workdir: Path, profile_dir: Path | None = None) -> VllmServer | Cluster:  # fmt: skip
     if server == "vllm":
-        return VllmServer(bin_dir, model, model_dir, dtype, workdir)
-    return Cluster(model, "cpu", server, workdir, dtype=dtype)
+        return VllmServer(bin_dir, model, model_dir, dtype, workdir, profile_dir)
+    return Cluster(model, "cpu", server, workdir, dtype=dtype, profile_dir=profile_dir)
+
+
+# --- profiles -------------------------------------------------------------------------------------
+
+
+def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_dir: Path,
+                    dtype: str, workdir: Path) -> dict:  # fmt: skip
+    """Each server once more at each `--profile` level, its torch profiler on around the load
+    (vLLM's --profiler-config, the clusters' POST /start_profile): per engine process, the ops'
+    self CPU time per output token, and its share of the wall time (the rest of the compute
+    core's time is outside torch ops: Python, scheduling, waiting)."""
+    found: dict = {}
+    for level in args.profile:
+        for server in args.servers:
+            print(f"[peers] {model} {dtype} profile at {level}: {server}", flush=True)
+            profile_dir = workdir / f"profile-{server}-{dtype}-{level}"
+            running = start(server, bin_dir, model, model_dir, dtype, workdir, profile_dir)
+            try:
+                bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir)
+                httpx.post(f"{running.url}/start_profile", timeout=120).raise_for_status()
+                figures = bench_serve(bin_dir, running.url, model, model_dir, level, seed=8,
+                                      workdir=workdir)  # fmt: skip
+                httpx.post(f"{running.url}/stop_profile", timeout=300).raise_for_status()
+            finally:
+                running.stop()
+            tables = sorted(profile_dir.glob("*.profiler_out.txt")) + sorted(
+                profile_dir.glob("*.ops.txt")
+            )
+            tokens = figures["completed"] * OUTPUT_LEN
+            wall_ms = 1000 * tokens / figures["output_tokens_per_s"]
+            found.setdefault(str(level), {})[server] = {
+                "output_tokens_per_s": figures["output_tokens_per_s"],
+                "wall_ms_per_output_token": round(wall_ms / tokens, 3),
+                "processes": {
+                    t.name.split(".")[0]: op_profile(t.read_text(), tokens, wall_ms) for t in tables
+                },  # fmt: skip
+            }
+    return found
+
+
+def op_profile(table: str, tokens: int, wall_ms: float) -> dict:
+    """From a torch profiler table (key_averages, sorted by self CPU time): the top ops' self CPU
+    ms per output token, and all ops' self time as a share of the run's wall time."""
+    ops: dict[str, float] = {}
+    total_ms = 0.0
+    for line in table.splitlines():
+        if line.startswith("Self CPU time total:"):
+            total_ms = _milliseconds(line.split(":")[1].strip())
+            continue
+        cells = [c for c in line.strip().split("  ") if c.strip()]
+        if len(cells) >= 7 and cells[0].strip() != "Name":
+            try:
+                ops[cells[0].strip()] = _milliseconds(cells[2].strip())
+            except ValueError:
+                continue  # a ruler or a header line
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:PROFILE_TOP_OPS]
+    return {
+        "ops_ms_per_output_token": round(total_ms / tokens, 3),
+        "ops_share_of_wall": round(total_ms / wall_ms, 3),
+        "top_ops_ms_per_output_token": {name: round(ms / tokens, 3) for name, ms in top},
+    }
+
+
+def _milliseconds(text: str) -> float:
+    for unit, scale in (("ms", 1.0), ("us", 1e-3), ("ns", 1e-6), ("s", 1e3)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    raise ValueError(text)
 
 
 # --- the physical limit ---------------------------------------------------------------------------
@@ -209,6 +283,9 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
+    parser.add_argument("--profile", nargs="*", type=int, default=[],
+                        help="concurrency levels to profile every server at")  # fmt: skip
+    parser.add_argument("--skip-runs", action="store_true", help="profiles only (with --profile)")
     args = parser.parse_args()
     bin_dir = ensure_vllm()
     bandwidth = read_bandwidth_gb_s()
@@ -217,7 +294,8 @@ def main() -> None:
                  "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION},
         "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
                      "load_generator": "vllm bench serve", "repeats": args.repeats},
-        "models": _earlier_models(args.out),
+        "models": _earlier(args.out, "models"),
+        "profiles": _earlier(args.out, "profiles"),
     }  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     try:
@@ -227,7 +305,7 @@ def main() -> None:
                 runs: dict[str, dict[int, list[dict]]] = {
                     s: {c: [] for c in args.concurrency} for s in args.servers
                 }
-                for repeat in range(args.repeats):
+                for repeat in range(0 if args.skip_runs else args.repeats):
                     k = repeat % len(args.servers)
                     for server in args.servers[k:] + args.servers[:k]:
                         print(f"[peers] {model} {dtype} repeat {repeat}: {server}", flush=True)
@@ -242,9 +320,14 @@ def main() -> None:
                                 print(f"[peers]   {c} clients: {figures}", flush=True)
                         finally:
                             running.stop()
-                result["models"].setdefault(model, {})[dtype] = summarize(
-                    runs, args.concurrency, weight_bytes(model_dir), bandwidth
-                )
+                if not args.skip_runs:
+                    result["models"].setdefault(model, {})[dtype] = summarize(
+                        runs, args.concurrency, weight_bytes(model_dir), bandwidth
+                    )
+                if args.profile:
+                    result["profiles"].setdefault(model, {})[dtype] = profile_servers(
+                        args, bin_dir, model, model_dir, dtype, workdir
+                    )
                 args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each, if cut
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -252,12 +335,12 @@ def main() -> None:
     plot(result, args.out.with_suffix(".png"))
 
 
-def _earlier_models(out: Path) -> dict:
-    """The figures of models this run does not measure, kept from the file it replaces, so that
-    models can be run one at a time into one peers.json."""
+def _earlier(out: Path, key: str) -> dict:
+    """The figures (or profiles) of models this run does not measure, kept from the file it
+    replaces, so that models can be run one at a time into one peers.json."""
     if not out.exists():
         return {}
-    return dict(json.loads(out.read_text()).get("models", {}))
+    return dict(json.loads(out.read_text()).get(key, {}))
 
 
 def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], num_bytes: int,

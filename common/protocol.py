@@ -310,7 +310,9 @@ class ClusterInfo(_Message, tag="cluster_info"):
     num_requests: int = 0  # requests the orchestrator is tracking
 
 
-PROFILE_ANSWER_TIMEOUT_S = 60.0  # the orchestrator's wait for every worker (a stop writes a trace)
+# The orchestrator's wait for every worker's answer: a stop answers once the trace and table are
+# written, which takes about a minute per 1000 steps recorded (engine/profiling.py)
+PROFILE_ANSWER_TIMEOUT_S = 600.0
 
 
 class Profile(_Message, tag="profile"):

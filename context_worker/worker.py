@@ -23,6 +23,7 @@ from common.protocol import (
     PrefillDone,
     PrefillRequest,
     Profile,
+    ProfileDone,
     Register,
     Registered,
     RequestFailed,
@@ -83,6 +84,7 @@ class ContextWorker:
         self.end_leases()
         if self.engine.has_unfinished():
             self.collect(self.run_engine_step())
+        self.answer_profile(self.profiler.poll())
         self.events.relay(self.engine, self.link)
         self.link.progress()
 
@@ -107,7 +109,7 @@ class ContextWorker:
         elif isinstance(message, Abort):
             self.abort(message.request_id)
         elif isinstance(message, Profile):
-            self.link.send(self.profiler.answer(message))
+            self.answer_profile(self.profiler.answer(message))
 
     def start(self, prefill: PrefillRequest) -> None:
         request = prefill.request
@@ -183,6 +185,10 @@ class ContextWorker:
         self.prefilling.pop(request_id, None)
         self.first_tokens.pop(request_id, None)
         self.leases.release(request_id)
+
+    def answer_profile(self, done: ProfileDone | None) -> None:
+        if done is not None:
+            self.link.send(done)
 
     def close(self) -> None:
         self.profiler.close()

@@ -29,6 +29,7 @@ from common.protocol import (
     PeersRequest,
     PrefillDone,
     Profile,
+    ProfileDone,
     Register,
     Registered,
     RequestFailed,
@@ -123,6 +124,7 @@ class GenerationWorker:
         if self.engine.has_unfinished():
             self.emit(self.run_engine_step())
         self.flush()
+        self.answer_profile(self.profiler.poll())
         self.events.relay(self.engine, self.link)
         self.link.progress()
 
@@ -152,7 +154,7 @@ class GenerationWorker:
         elif isinstance(message, Registered):
             self.sync_peers(message.peers)
         elif isinstance(message, Profile):
-            self.link.send(self.profiler.answer(message))
+            self.answer_profile(self.profiler.answer(message))
 
     def sync_peers(self, pools: list[KVPool]) -> None:
         """Load each context worker's pool once (not per request); forget the departed."""
@@ -433,6 +435,10 @@ class GenerationWorker:
             self.release_source(active.decode)
         self.engine.abort(request_id)
         self.end(active)
+
+    def answer_profile(self, done: ProfileDone | None) -> None:
+        if done is not None:
+            self.link.send(done)
 
     def close(self) -> None:
         self.profiler.close()

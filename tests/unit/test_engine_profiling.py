@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from common.protocol import Profile, ProfileDone
@@ -20,8 +21,17 @@ def test_a_session_writes_a_trace_and_the_op_table_of_the_steps_it_saw(
     )
     assert profiler.running
     llm.generate(["profiled"], SamplingParams(max_tokens=3, temperature=0.0))
-    done = profiler.answer(Profile(action="stop"))
-    assert done.workers == ["gen-0"] and not done.errors and not profiler.running
+    assert profiler.answer(Profile(action="stop")) is None  # written on a thread
+    assert not profiler.running
+    assert profiler.answer(Profile(action="start")).errors == [
+        "gen-0: the last session is still being written"
+    ]
+    deadline = time.monotonic() + 120
+    while (done := profiler.poll()) is None:
+        assert time.monotonic() < deadline, "the profile was not written in time"
+        time.sleep(0.05)
+    assert profiler.poll() is None  # answered once
+    assert done.workers == ["gen-0"] and not done.errors
     trace, table = (Path(f) for f in done.files)
     assert trace.name.startswith("gen-0-") and trace.name.endswith(".pt.trace.json.gz")
     assert trace.stat().st_size > 0 and trace.parent == tmp_path / "traces"

@@ -343,7 +343,9 @@ def test_a_profile_round_ends_without_the_workers_that_die_or_stay_silent() -> N
     orch.handle(b"gen-0", Heartbeat(worker_id="gen-0"), 7.0 + ANSWER_TIMEOUT_S)
     orch.handle(b"pp-0", Heartbeat(worker_id="pp-0"), 7.0 + ANSWER_TIMEOUT_S)
     late = [m for _, m in orch.tick(7.0 + ANSWER_TIMEOUT_S) if isinstance(m, ProfileDone)]
-    assert late == [ProfileDone(action="start", errors=["gen-0: no answer in 60 s"])]
+    assert late == [
+        ProfileDone(action="start", errors=[f"gen-0: no answer in {ANSWER_TIMEOUT_S:.0f} s"])
+    ]
 
 
 def test_a_profile_command_with_no_engine_worker_up_is_answered_at_once() -> None:
