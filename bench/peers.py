@@ -194,10 +194,10 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_d
             running = start(server, bin_dir, model, model_dir, dtype, workdir, profile_dir)
             try:
                 bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir)
-                httpx.post(f"{running.url}/start_profile", timeout=120).raise_for_status()
+                _profiler(running.url, "start")
                 figures = bench_serve(bin_dir, running.url, model, model_dir, level, seed=8,
                                       workdir=workdir)  # fmt: skip
-                httpx.post(f"{running.url}/stop_profile", timeout=300).raise_for_status()
+                _profiler(running.url, "stop")
             finally:
                 running.stop()
             tables = sorted(profile_dir.glob("*.profiler_out.txt")) + sorted(
@@ -213,6 +213,12 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_d
                 },  # fmt: skip
             }
     return found
+
+
+def _profiler(url: str, action: str) -> None:
+    response = httpx.post(f"{url}/{action}_profile", timeout=900)  # a stop writes for minutes
+    if response.status_code != 200:
+        raise RuntimeError(f"{action}_profile: {response.status_code} {response.text}")
 
 
 def op_profile(table: str, tokens: int, wall_ms: float) -> dict:

@@ -120,7 +120,7 @@ class Cluster:
             f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware}}\n'
             "generation_workers: {max_num_seqs: 64}\n"
             "kv_cache: {block_size: 16, num_blocks: 4096}\n"
-            + (f"profiler_dir: {profile_dir}\n" if profile_dir else "")
+            + (f"profiler: {{dir: {profile_dir}}}\n" if profile_dir else "")
         )
         self.log = (workdir / f"cluster-{mode}.log").open("wb")
         self.process = subprocess.Popen(

@@ -116,6 +116,17 @@ class SecurityConfig(_Section, frozen=True):
     keys_dir: str | None = None
 
 
+class ProfilerConfig(_Section, frozen=True):
+    """POST /start_profile and /stop_profile (engine/profiling.py)."""
+
+    # each engine worker's torch profiler trace and op table are written here, on its own host;
+    # None: profiling is off and the routes are 404s
+    dir: str | None = None
+    # a session records at most this many engine steps: ending it holds the GIL ~10 ms a step
+    # (engine/profiling.py), and a worker silent for worker_timeout_seconds is declared dead
+    max_steps: Positive = 100
+
+
 class CpuConfig(_Section, frozen=True):
     """Engine workers' compute threads on a CPU host (engine/cpu_placement.py)."""
 
@@ -138,9 +149,6 @@ class ClusterConfig(_Section, frozen=True):
     # PULL sockets, UCX listeners) is taken from here; None: any free port
     port_range: tuple[Port, Port] | None = None
     tool_parser: ToolParserName | None = None  # None: the builtin's, else by config.json model_type
-    # POST /start_profile and /stop_profile: each engine worker's torch profiler trace and op
-    # table are written here (on that worker's host); None: profiling is off and they are 404s
-    profiler_dir: str | None = None
 
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -151,6 +159,7 @@ class ClusterConfig(_Section, frozen=True):
     transfer: TransferConfig = TransferConfig()
     security: SecurityConfig = SecurityConfig()
     cpu: CpuConfig = CpuConfig()
+    profiler: ProfilerConfig = ProfilerConfig()
 
     def __post_init__(self) -> None:
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all

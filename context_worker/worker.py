@@ -58,7 +58,9 @@ class ContextWorker:
         self.first_tokens: dict[str, list[TokenDelta]] = {}
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
-        self.profiler = EngineProfiler(config.profiler_dir, worker_id, config.device)
+        self.profiler = EngineProfiler(
+            config.profiler.dir, worker_id, config.device, config.profiler.max_steps
+        )
         register = Register(
             worker_id=worker_id,
             role="context",
@@ -84,6 +86,7 @@ class ContextWorker:
         self.end_leases()
         if self.engine.has_unfinished():
             self.collect(self.run_engine_step())
+            self.profiler.step_done()
         self.answer_profile(self.profiler.poll())
         self.events.relay(self.engine, self.link)
         self.link.progress()
@@ -121,6 +124,7 @@ class ContextWorker:
                 request.sampling,
                 request.extra_keys,
                 prefill_only=True,
+                priority=request.priority,
             )
         except InvalidRequest as e:
             self.fail(request.request_id, str(e), e.param)

@@ -2,8 +2,8 @@
 
 The frontend forwards the command to the orchestrator, which sends it to every live engine
 worker and answers with their replies merged (orchestrator/profile_round.py). Each worker
-writes into `profiler_dir` on its own host (engine/profiling.py); the answer lists the files.
-Like every route but /health, these need the API key when one is set. With no `profiler_dir`
+writes into `profiler.dir` on its own host (engine/profiling.py); the answer lists the files.
+Like every route but /health, these need the API key when one is set. With no `profiler.dir`
 the routes answer 404, as vLLM's do when its profiler is not configured.
 """
 
@@ -28,9 +28,9 @@ async def profile_response(
     """200 with {action, workers, files, errors} when at least one worker did it; 409 when none
     could (already running, not running, no engine worker up); 503 when the orchestrator is
     silent."""
-    if config.profiler_dir is None:
+    if config.profiler.dir is None:
         return error_response(
-            404, "profiling is off: set profiler_dir in cluster.yaml", code="not_found"
+            404, "profiling is off: set profiler.dir in cluster.yaml", code="not_found"
         )
     done = await client.profile(action, PROFILE_ANSWER_TIMEOUT_S + ANSWER_MARGIN_S)
     if done is None:

@@ -8,11 +8,11 @@ engine step, push the step's TokenBatches.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -81,7 +81,8 @@ class GenerationWorker:
         self.config = config
         self.engine, self.agent = build_engine(config, worker_id, config.generation_workers)
         self.max_num_seqs = config.generation_workers.max_num_seqs
-        self.waiting: deque[DecodeRequest] = deque()  # prefilled, waiting for blocks or a slot
+        # prefilled, waiting for blocks or a slot: higher priority first, then arrival order
+        self.waiting: list[DecodeRequest] = []
         self.pulls: dict[str, Pull] = {}
         self.active: dict[str, ActiveRequest] = {}
         self.outbox: dict[str, TokenBatch] = {}  # postproc address -> this step's tokens
@@ -92,7 +93,9 @@ class GenerationWorker:
         self._peers_asked_at = 0.0
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
-        self.profiler = EngineProfiler(config.profiler_dir, worker_id, config.device)
+        self.profiler = EngineProfiler(
+            config.profiler.dir, worker_id, config.device, config.profiler.max_steps
+        )
         register = Register(
             worker_id=worker_id,
             role="generation",
@@ -123,6 +126,7 @@ class GenerationWorker:
         self.settle_pulls()
         if self.engine.has_unfinished():
             self.emit(self.run_engine_step())
+            self.profiler.step_done()
         self.flush()
         self.answer_profile(self.profiler.poll())
         self.events.relay(self.engine, self.link)
@@ -184,7 +188,11 @@ class GenerationWorker:
             try:
                 prompt = decode_token_ids(request.prompt_token_ids_b64)
                 self.engine.add_request(
-                    request.request_id, prompt, request.sampling, request.extra_keys
+                    request.request_id,
+                    prompt,
+                    request.sampling,
+                    request.extra_keys,
+                    priority=request.priority,
                 )
             except (InvalidRequest, ValueError) as e:
                 self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
@@ -192,14 +200,14 @@ class GenerationWorker:
         active = ActiveRequest(decode, {d.index for d in prefill.first if d.finish_reason is None})
         self.active[request.request_id] = active
         self.queue(active, prefill.first)  # the first tokens go out before the pull
-        self.waiting.append(decode)
+        bisect.insort_right(self.waiting, decode, key=lambda d: -d.request.priority)
 
     def start_pulls(self) -> None:
-        """Post READs, in arrival order, while decode slots and blocks allow. A waiting decode
-        whose lease runs out first is prefilled here (its KV is about to be freed): more
+        """Post READs, by priority then arrival, while decode slots and blocks allow. A waiting
+        decode whose lease runs out first is prefilled here (its KV is about to be freed): more
         requests than slots all complete. One whose source this worker does not know waits
         while the peer set is asked for again."""
-        still_waiting: deque[DecodeRequest] = deque()
+        still_waiting: list[DecodeRequest] = []
         blocked = False
         for decode in self.waiting:
             assert decode.prefill is not None
@@ -228,7 +236,12 @@ class GenerationWorker:
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
             self.engine.add_continued_request(
-                request.request_id, prompt, request.sampling, first_tokens, request.extra_keys
+                request.request_id,
+                prompt,
+                request.sampling,
+                first_tokens,
+                request.extra_keys,
+                priority=request.priority,
             )
         except (InvalidRequest, ValueError) as e:
             self.fail(self.active[request.request_id], 400, str(e), getattr(e, "param", "prompt"))
@@ -254,6 +267,7 @@ class GenerationWorker:
                 first_tokens,
                 prefill.first[0].num_cached_tokens,
                 request.extra_keys,
+                priority=request.priority,
             )
         except (InvalidRequest, ValueError) as e:
             self.release_source(decode)
@@ -430,7 +444,7 @@ class GenerationWorker:
             self.agent.release(pull.handle)  # cancel the READ before its blocks are freed
         queued = any(d is active.decode for d in self.waiting)  # identity: no deep compare
         if queued:
-            self.waiting = deque(d for d in self.waiting if d is not active.decode)
+            self.waiting = [d for d in self.waiting if d is not active.decode]
         if pull is not None or queued:
             self.release_source(active.decode)
         self.engine.abort(request_id)

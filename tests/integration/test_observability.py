@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.harness import MODEL, Cluster, free_port
 
+PROFILED_STEPS = 20  # fewer than the requests of the profile test take on a generation worker
 LONG_PREFIX = (
     "The river carried the boats of the traders down to the harbour, where the merchants "
     "counted their coins and argued about the weather, the prices of salt and the roads. "
@@ -36,13 +37,16 @@ def cluster(start_cluster, profile_dir: Path) -> Cluster:
     kv_cache = (
         f'events: {{zmq: "tcp://127.0.0.1:{events}", replay_zmq: "tcp://127.0.0.1:{replay}"}}'
     )
-    extra = f"generation_workers: {{count: 2}}\nprofiler_dir: {profile_dir}\n"
+    profiler = f"profiler: {{dir: {profile_dir}, max_steps: {PROFILED_STEPS}}}\n"
+    extra = f"generation_workers: {{count: 2}}\n{profiler}"
     return start_cluster("disaggregated", extra=extra, kv_cache=kv_cache)
 
 
-def complete(cluster: Cluster, prompt: str) -> openai.types.Completion:
+def complete(cluster: Cluster, prompt: str, max_tokens: int = 4) -> openai.types.Completion:
     client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=60, max_retries=0)
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    return client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0
+    )
 
 
 def by_worker(cluster: Cluster, role: str = "generation") -> dict:
@@ -201,6 +205,7 @@ def test_profile_routes_write_every_engine_workers_trace_and_op_table(
     cluster: Cluster, profile_dir: Path
 ) -> None:
     engines = {"ctx-0", "gen-0", "gen-1"}
+    pids = {w.worker_id: w.pid for w in cluster.info().workers}
     with httpx.Client(base_url=cluster.url, timeout=90) as http:
         stop_before = http.post("/stop_profile")
         assert stop_before.status_code == 409, stop_before.text  # nothing is running
@@ -209,8 +214,8 @@ def test_profile_routes_write_every_engine_workers_trace_and_op_table(
         assert started.status_code == 200, started.text
         assert set(started.json()["workers"]) == engines and started.json()["errors"] == []
         assert http.post("/start_profile").status_code == 409  # already running everywhere
-        for i in range(4):  # spread over both generation workers
-            complete(cluster, f"{i} profiled request about the river")
+        for i in range(8):  # over both generation workers, past PROFILED_STEPS on each
+            complete(cluster, f"{i} profiled request about the river", max_tokens=16)
         stopped = http.post("/stop_profile")
     assert stopped.status_code == 200, stopped.text
     body = stopped.json()
@@ -223,6 +228,7 @@ def test_profile_routes_write_every_engine_workers_trace_and_op_table(
         assert any(e.get("name", "").startswith("aten::") for e in events), trace
     tables = [f.read_text() for f in files if f.name.endswith(".ops.txt")]
     assert len(tables) == 3 and all("Self CPU" in t and "aten::" in t for t in tables)
+    assert {w.worker_id: w.pid for w in cluster.info().workers} == pids  # none was restarted
 
 
 def test_profile_routes_are_404_when_profiling_is_off(start_cluster) -> None:
@@ -230,4 +236,4 @@ def test_profile_routes_are_404_when_profiling_is_off(start_cluster) -> None:
     with httpx.Client(base_url=cluster.url, timeout=10) as http:
         response = http.post("/start_profile")
     assert response.status_code == 404
-    assert "profiler_dir" in response.json()["error"]["message"]
+    assert "profiler.dir" in response.json()["error"]["message"]
