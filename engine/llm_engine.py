@@ -97,16 +97,18 @@ class LLMEngine:
         extra_keys: tuple[ExtraKey, ...] = (),
         *,
         prefill_only: bool = False,
+        priority: int = 0,
     ) -> None:
         """Queue a request (n sequences); if it can't run, raise InvalidRequest, change nothing.
 
         `prefill_only` (context worker): each sequence stops after its first token and keeps its
-        blocks, held for a reader, until `release_held`.
+        blocks, held for a reader, until `release_held`. `priority`: higher is scheduled first.
         """
         self._validate(request_id, prompt_token_ids, params)
         for index in range(params.n):
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
             seq.prefill_only = prefill_only
+            seq.priority = priority
             self.scheduler.add(seq)
 
     def add_pulled_request(
@@ -117,6 +119,7 @@ class LLMEngine:
         first_tokens: dict[int, int],
         num_cached_tokens: int = 0,
         extra_keys: tuple[ExtraKey, ...] = (),
+        priority: int = 0,
     ) -> tuple[list[int], int] | None:
         """Admit a request another worker prefilled: `first_tokens` maps each unfinished choice to
         the token it sampled there. The prompt's KV is to be written into the returned block table
@@ -125,8 +128,9 @@ class LLMEngine:
         (try again later). Call `pull_done` once the KV is in, or `pull_failed`.
         """
         seqs = self._continued(
-            request_id, prompt_token_ids, params, first_tokens, num_cached_tokens, extra_keys
-        )
+            request_id, prompt_token_ids, params, first_tokens, num_cached_tokens, extra_keys,
+            priority,
+        )  # fmt: skip
         table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
         if table is None:
             return None
@@ -139,12 +143,13 @@ class LLMEngine:
         params: SamplingParams,
         first_tokens: dict[int, int],
         extra_keys: tuple[ExtraKey, ...] = (),
+        priority: int = 0,
     ) -> None:
         """A request another worker prefilled whose KV cannot be read (its lease ended, its
         source is gone): queue it to prefill here, prompt and first token, and go on decoding
         from there; the output is what the pull would have given."""
         for seq in self._continued(
-            request_id, prompt_token_ids, params, first_tokens, 0, extra_keys
+            request_id, prompt_token_ids, params, first_tokens, 0, extra_keys, priority
         ):
             self.scheduler.add(seq)
 
@@ -156,6 +161,7 @@ class LLMEngine:
         first_tokens: dict[int, int],
         num_cached_tokens: int,
         extra_keys: tuple[ExtraKey, ...],
+        priority: int,
     ) -> list[Sequence]:
         """The sequences of the unfinished choices, each holding its first token. The prompt's
         log-probs, if asked for, went out with that token from the worker that sampled it."""
@@ -166,6 +172,7 @@ class LLMEngine:
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
             seq.append_token(token_id)
             seq.num_cached_prompt_tokens = num_cached_tokens
+            seq.priority = priority
             seqs.append(seq)
         return seqs
 

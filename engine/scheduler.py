@@ -1,10 +1,12 @@
 """Continuous batching with chunked prefill under a token budget, and preemption by recompute.
 
 Each step: running sequences first (a decode token each, or the next chunk of a prefill), then
-waiting sequences are admitted while the budget, `max_num_seqs` and free blocks allow. When a
-running sequence cannot get a block, the most recently admitted running sequence is preempted: its
-blocks are freed and it returns to the head of the queue to be recomputed later (its full blocks
-usually survive in the prefix cache, so the recompute is cheap).
+waiting sequences are admitted while the budget, `max_num_seqs` and free blocks allow. Both lists
+are kept in priority order (the request's `priority`, higher first; arrival order within a level),
+so the budget goes to higher priorities first. When a running sequence cannot get a block, the
+last running sequence (lowest priority, most recently admitted) is preempted: its blocks are freed
+and it returns to the queue, keeping its priority and its place by arrival, to be recomputed later
+(its full blocks usually survive in the prefix cache, so the recompute is cheap).
 
 Two more states serve disaggregation (see `Sequence.status`):
 
@@ -17,8 +19,8 @@ Held and pulling sequences own their blocks but are never scheduled; `abort` fre
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -55,8 +57,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # by Sequence.queue_key
+        self.running: list[Sequence] = []  # by Sequence.queue_key
         self.held: dict[str, list[Sequence]] = {}  # request id -> its prefill-only sequences
         self.pulling: dict[str, list[Sequence]] = {}  # request id -> lead sequence + its siblings
         self._arrivals = 0
@@ -69,7 +71,7 @@ class Scheduler:
         seq.arrival_time = seq.arrival_time or time.monotonic()
         seq.arrival_order = self._arrivals
         self._arrivals += 1
-        self.waiting.append(seq)
+        _insert(self.waiting, seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request now and free its blocks (a pulling request's
@@ -121,7 +123,7 @@ class Scheduler:
         lead.arrival_order = self._arrivals
         self._arrivals += 1
         lead.status = SequenceStatus.RUNNING
-        self.running.append(lead)
+        _insert(self.running, lead)
         for seq in siblings:
             self.add(seq)
 
@@ -179,7 +181,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq.seq_id, num_cached + num_new, blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if not seq.output_token_ids:  # a first admission, not a recompute or a pulled request
                 seq.num_cached_prompt_tokens = num_cached
                 self._count_lookup(seq.num_prompt_tokens, num_cached)
@@ -187,7 +189,7 @@ class Scheduler:
                 self.queue_seconds += time.monotonic() - seq.arrival_time
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            _insert(self.running, seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return budget
@@ -202,7 +204,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        _insert(self.waiting, seq)  # its old arrival: ahead of its level's later arrivals
 
     def postprocess(
         self, out: SchedulerOutput, sampled_seqs: list[Sequence], sampled: SampleResult
@@ -250,3 +252,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.seq_id)
+
+
+def _insert(queue: list[Sequence], seq: Sequence) -> None:
+    """Into a list kept by queue_key (after any equal key: FIFO)."""
+    bisect.insort_right(queue, seq, key=lambda s: s.queue_key)

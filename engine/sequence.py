@@ -32,6 +32,7 @@ class Sequence:
     sampling: SamplingState
     extra_keys: tuple[ExtraKey, ...] = ()  # salts the prefix-cache hashes (cache_salt, lora)
     arrival_order: int = 0
+    priority: int = 0  # higher runs first (the request's `priority`), FIFO within a level
     arrival_time: float = 0.0  # time.monotonic() when queued, for the queue-time metric
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission
@@ -54,6 +55,11 @@ class Sequence:
             and self.index == 0
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """The scheduler's order: higher priority first, then earlier arrival."""
+        return (-self.priority, self.arrival_order)
 
     @property
     def params(self) -> SamplingParams:

@@ -299,7 +299,7 @@ class Orchestrator:
             out.append((sender, failed))
             return
         limit = self.config.orchestrator.max_requests
-        if len(self.requests) >= limit:
+        if len(self.requests) >= limit and not self.shed_for(request, out):
             busy = f"the cluster is at capacity ({limit} requests in flight); retry shortly"
             out.append((sender, self.failure(request.request_id, 429, busy)))
             return
@@ -322,6 +322,23 @@ class Orchestrator:
             self.start_decode(record, None, out)
         else:
             self.start_prefill(record, out)
+
+    def shed_for(self, request: GenerateRequest, out: Outbox) -> bool:
+        """At capacity: make room for `request` by ending the lowest-priority request (the
+        latest of its level) that has a lower priority and has not reached a generation worker
+        yet, so its client has seen nothing; it gets a 429 to retry. False: none to shed."""
+        waiting = [
+            r
+            for r in self.requests.values()
+            if r.state in (State.QUEUED, State.PREFILLING)
+            and r.request.priority < request.priority
+        ]  # dicts keep insertion order: arrival order
+        if not waiting:
+            return False
+        victim = min(reversed(waiting), key=lambda r: r.request.priority)
+        message = "shed for a higher-priority request at capacity; retry shortly"
+        self.fail(victim.request_id, self.failure(victim.request_id, 429, message), out)
+        return True
 
     def prefills_locally(self, record: RequestRecord) -> bool:
         """Aggregated mode, a short prompt, or no context worker up: skip the hand-off."""

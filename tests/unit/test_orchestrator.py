@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from common.config import parse_cluster_config
@@ -394,6 +395,29 @@ def test_requests_beyond_the_limit_get_a_429() -> None:
     assert isinstance(reply, RequestFailed) and reply.status_code == 429
     assert reply.code == "rate_limited" and "capacity" in reply.message
     assert len(orch.requests) == 2
+
+
+def test_at_capacity_a_higher_priority_request_sheds_the_lowest_that_has_not_streamed() -> None:
+    orch = cluster("orchestrator: {max_requests: 3}")
+    orch.handle(FRONTEND, generate("decoding"), 0.0)
+    orch.handle(b"ctx-0", prefill_done("decoding"), 0.0)  # at the generation worker now
+    for request_id, priority in (("low-early", 0), ("low-late", 0)):
+        orch.handle(FRONTEND, msgspec.structs.replace(generate(request_id), priority=priority), 0.0)
+    same = orch.handle(FRONTEND, generate("same-level"), 0.0)  # priority 0 sheds nobody
+    assert [m.status_code for _, m in same if isinstance(m, RequestFailed)] == [429]
+    urgent = msgspec.structs.replace(generate("urgent"), priority=5)
+    out = orch.handle(FRONTEND, urgent, 0.0)
+    shed = [(t, m) for t, m in out if isinstance(m, RequestFailed)]
+    assert [(t, m.request_id, m.status_code) for t, m in shed] == [(FRONTEND, "low-late", 429)]
+    assert "higher-priority" in shed[0][1].message
+    assert (b"ctx-0", Abort(request_id="low-late", reason="error")) in out
+    assert any(isinstance(m, PrefillRequest) and m.request.request_id == "urgent" for _, m in out)
+    assert list(orch.requests) == ["decoding", "low-early", "urgent"]
+    out = orch.handle(FRONTEND, msgspec.structs.replace(generate("top"), priority=9), 0.0)
+    assert [m.request_id for _, m in out if isinstance(m, RequestFailed)] == ["low-early"]
+    out = orch.handle(FRONTEND, msgspec.structs.replace(generate("more"), priority=5), 0.0)
+    assert [m.request_id for _, m in out if isinstance(m, RequestFailed)] == ["more"]  # none lower
+    assert list(orch.requests) == ["decoding", "urgent", "top"]
 
 
 def test_without_a_generation_worker_nothing_is_prefilled() -> None:
