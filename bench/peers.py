@@ -53,6 +53,8 @@ VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 SERVERS = ("vllm", "aggregated", "disaggregated")
 PROFILE_TOP_OPS = 12
+LINEAR_OPS = ("_C::onednn_mm", "mkldnn::_linear_pointwise")  # vLLM's linear layers, ours
+PROFILES_DIR = ROOT / "bench/results/peers-profiles"  # the op tables, as written
 INPUT_LEN, INPUT_RANGE, OUTPUT_LEN = 192, 1 / 3, 128  # prompts of 128-256 tokens
 
 
@@ -184,9 +186,13 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_d
                     dtype: str, workdir: Path) -> dict:  # fmt: skip
     """Each server once more at each `--profile` level, its torch profiler on around the load
     (vLLM's --profiler-config, the clusters' POST /start_profile): per engine process, the ops'
-    self CPU time per output token, and its share of the wall time (the rest of the compute
-    core's time is outside torch ops: Python, scheduling, waiting)."""
+    self CPU time per forward pass, and their share of the wall time (the rest of the compute
+    core's time is outside torch ops: Python, scheduling, waiting). Per forward, because our
+    workers record a bounded session (profiler.max_steps) and vLLM the whole run; a forward is
+    counted by the linear layers it runs, the same number in both (q/k/v and gate/up fused)."""
     found: dict = {}
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    linears_per_forward = 4 * layers + 1  # qkv, o, gate_up, down; the LM head
     for level in args.profile:
         for server in args.servers:
             print(f"[peers] {model} {dtype} profile at {level}: {server}", flush=True)
@@ -200,17 +206,19 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_d
                 _profiler(running.url, "stop")
             finally:
                 running.stop()
-            tables = sorted(profile_dir.glob("*.profiler_out.txt")) + sorted(
-                profile_dir.glob("*.ops.txt")
-            )
-            tokens = figures["completed"] * OUTPUT_LEN
-            wall_ms = 1000 * tokens / figures["output_tokens_per_s"]
+            processes = {}
+            for table in [*profile_dir.glob("*.profiler_out.txt"), *profile_dir.glob("*.ops.txt")]:
+                process = table.name.split(".")[0].split("-2")[0]  # rank0, gen-0, ctx-0
+                kept = (
+                    PROFILES_DIR / f"{model.split(':')[-1]}-{dtype}-{level}-{server}-{process}.txt"
+                )
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(table, kept)
+                processes[process] = op_profile(table.read_text(), linears_per_forward)
             found.setdefault(str(level), {})[server] = {
                 "output_tokens_per_s": figures["output_tokens_per_s"],
-                "wall_ms_per_output_token": round(wall_ms / tokens, 3),
-                "processes": {
-                    t.name.split(".")[0]: op_profile(t.read_text(), tokens, wall_ms) for t in tables
-                },  # fmt: skip
+                "wall_ms_per_output_token": round(1000 / figures["output_tokens_per_s"], 3),
+                "processes": processes,
             }
     return found
 
@@ -221,26 +229,29 @@ def _profiler(url: str, action: str) -> None:
         raise RuntimeError(f"{action}_profile: {response.status_code} {response.text}")
 
 
-def op_profile(table: str, tokens: int, wall_ms: float) -> dict:
-    """From a torch profiler table (key_averages, sorted by self CPU time): the top ops' self CPU
-    ms per output token, and all ops' self time as a share of the run's wall time."""
-    ops: dict[str, float] = {}
+def op_profile(table: str, linears_per_forward: int) -> dict:
+    """From a torch profiler table (key_averages layout, sorted by self CPU time): the forward
+    passes it saw (calls of the linear op / linears per forward), all ops' self CPU ms per
+    forward, and the top ops' ms per forward."""
+    ops: dict[str, tuple[float, int]] = {}  # name -> (self ms, calls)
     total_ms = 0.0
     for line in table.splitlines():
         if line.startswith("Self CPU time total:"):
             total_ms = _milliseconds(line.split(":")[1].strip())
             continue
-        cells = [c for c in line.strip().split("  ") if c.strip()]
-        if len(cells) >= 7 and cells[0].strip() != "Name":
+        cells = [c.strip() for c in line.strip().split("  ") if c.strip()]
+        if len(cells) >= 7 and cells[0] != "Name":
             try:
-                ops[cells[0].strip()] = _milliseconds(cells[2].strip())
+                ops[cells[0]] = (_milliseconds(cells[2]), int(cells[-1]))
             except ValueError:
                 continue  # a ruler or a header line
-    top = sorted(ops.items(), key=lambda kv: -kv[1])[:PROFILE_TOP_OPS]
+    linear_calls = sum(calls for name, (_, calls) in ops.items() if name in LINEAR_OPS)
+    forwards = max(1, round(linear_calls / linears_per_forward))
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:PROFILE_TOP_OPS]
     return {
-        "ops_ms_per_output_token": round(total_ms / tokens, 3),
-        "ops_share_of_wall": round(total_ms / wall_ms, 3),
-        "top_ops_ms_per_output_token": {name: round(ms / tokens, 3) for name, ms in top},
+        "forwards": forwards,
+        "ops_ms_per_forward": round(total_ms / forwards, 3),
+        "top_ops_ms_per_forward": {name: round(ms / forwards, 3) for name, (ms, _) in top},
     }
 
 

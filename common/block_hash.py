@@ -17,6 +17,7 @@ from typing import TypeAlias
 
 # Versions the encoding: changing the byte layout must change this, so old hashes never match.
 _PERSON = b"pdc-kvblock-v1"
+HASH_ALGORITHM = f"blake2b-64 chained, person {_PERSON.decode()}"  # /server_info says it
 
 _NO_PARENT = b"\x00"
 _U64 = struct.Struct("<Q")

@@ -104,17 +104,6 @@ async def async_send(sock: zmq.asyncio.Socket, message: Message) -> None:
     await sock.send(encode(message))
 
 
-async def async_send_to(sock: zmq.asyncio.Socket, identity: bytes, message: Message) -> None:
-    await sock.send_multipart([identity, encode(message)])
-
-
-async def async_recv_from(sock: zmq.asyncio.Socket) -> tuple[bytes, Message | None]:
-    """ROUTER: (sender identity, message or None if malformed)."""
-    frames = await sock.recv_multipart()
-    identity = frames[0] if len(frames) > 1 else b""
-    return identity, parse(frames[-1], identity.decode(errors="replace") or "a peer")
-
-
 async def async_recv(sock: zmq.asyncio.Socket, source: str) -> Message | None:
     frames = await sock.recv_multipart()
     return parse(frames[-1], source)

@@ -73,10 +73,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.sampling.append(token_id)

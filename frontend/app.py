@@ -21,15 +21,23 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.block_hash import HASH_ALGORITHM
 from common.config import ClusterConfig
 from common.errors import InvalidRequest, validation_location
-from common.protocol import Chunk, GenerateRequest, OutputOptions, encode, encode_token_ids
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Chunk,
+    GenerateRequest,
+    OutputOptions,
+    encode,
+    encode_token_ids,
+)
 from common.sampling_params import SamplingParams
 from frontend import anthropic, chat, completions, embeddings, metrics, responses
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
 from frontend.model_info import ModelInfo
-from frontend.openapi import openapi_document
+from frontend.openapi import ROUTES, openapi_document
 from frontend.profiling import profile_response
 from frontend.response_store import open_store
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
@@ -283,6 +291,24 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             return error_response(503, "the orchestrator does not answer", code="unhealthy")
         return Response(msgspec.json.encode(info), media_type="application/json")
 
+    async def server_info(request: Request) -> Response:
+        """What a client or a router needs to know about this deployment (the seed's
+        /server_info): the model and how the cluster is set up, its workers by role."""
+        info = await client.cluster_info(HEALTH_TIMEOUT_S)
+        roles: dict[str, list[str]] = {}
+        for worker in info.workers if info is not None else []:
+            if worker.state != "dead":
+                roles.setdefault(worker.role, []).append(worker.worker_id)
+        return _json({
+            "model": model.name, "max_model_len": model.max_model_len, "dtype": config.dtype,
+            "device": config.device, "mode": config.mode,
+            "kv_cache": {"block_size": config.kv_cache.block_size,
+                         "hash_algorithm": HASH_ALGORITHM},
+            "protocol_version": PROTOCOL_VERSION,
+            "version": importlib.metadata.version("pdcluster"),
+            "roles": roles, "endpoints": sorted(ROUTES),
+        })  # fmt: skip
+
     async def kv_cache_events(request: Request) -> Response:
         """Drains the cluster's KV-event queue (TensorRT-LLM's shape); a router polls it."""
         drained = await client.drain_kv_events(HEALTH_TIMEOUT_S)
@@ -328,6 +354,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/cluster_info", cluster_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
         Route("/kv_cache_events", kv_cache_events, methods=["POST"]),
         Route("/start_profile", start_profile, methods=["POST"]),
         Route("/stop_profile", stop_profile, methods=["POST"]),

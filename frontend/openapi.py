@@ -48,6 +48,7 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
     "/health": ("get", "200 when every needed worker role is alive, else 503", None, None),
     "/health_generate": ("get", "200 when a one-token request completes", None, None),
     "/cluster_info": ("get", "Every process of the cluster, with its KV usage", None, None),
+    "/server_info": ("get", "The model, the cluster's setup and its workers by role", None, None),
     "/kv_cache_events": ("post", "Drain the KV events (TensorRT-LLM's JSON)", None, None),
     "/start_profile": ("post", "Start the torch profiler on every engine worker", None, None),
     "/stop_profile": ("post", "Stop it; each worker writes its trace and op table", None, None),

@@ -15,6 +15,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.protocol import PROTOCOL_VERSION
+from frontend.openapi import ROUTES
 from tests.integration.harness import MODEL, Cluster, free_port
 
 PROFILED_STEPS = 20  # fewer than the requests of the profile test take on a generation worker
@@ -237,3 +239,20 @@ def test_profile_routes_are_404_when_profiling_is_off(start_cluster) -> None:
         response = http.post("/start_profile")
     assert response.status_code == 404
     assert "profiler.dir" in response.json()["error"]["message"]
+
+
+def test_server_info_describes_the_deployment(cluster: Cluster) -> None:
+    info = httpx.get(f"{cluster.url}/server_info", timeout=10).json()
+    assert info["model"] == MODEL and info["mode"] == "disaggregated"
+    assert info["dtype"] == "float32" and info["device"] == "cpu"
+    assert info["kv_cache"]["block_size"] == 16  # the harness's
+    assert info["kv_cache"]["hash_algorithm"].startswith("blake2b-64 chained")
+    assert info["protocol_version"] == PROTOCOL_VERSION and info["version"]
+    assert info["roles"] == {
+        "orchestrator": ["orchestrator"],
+        "context": ["ctx-0"],
+        "generation": ["gen-0", "gen-1"],
+        "postproc": ["pp-0", "pp-1"],
+        "frontend": ["fe-0"],
+    }
+    assert set(info["endpoints"]) == set(ROUTES) and "/server_info" in info["endpoints"]

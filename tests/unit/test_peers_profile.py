@@ -1,4 +1,4 @@
-"""bench/peers.py's reading of torch profiler tables (the one format vLLM and our workers write)."""
+"""bench/peers.py's reading of torch profiler tables (the layout vLLM and our workers write)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ from torch.profiler import ProfilerActivity, profile
 from bench.peers import op_profile
 
 
-def test_a_real_profiler_table_becomes_ms_per_output_token_by_op() -> None:
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+def test_a_real_profiler_table_becomes_ms_per_forward_by_op() -> None:
+    x, w = torch.randn(4, 64), torch.randn(64, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
     with profile(activities=[ProfilerActivity.CPU]) as session:
-        for _ in range(20):
-            torch.mm(a, b).relu_()
+        for _ in range(10):  # ten "forwards" of three linear layers each
+            for _ in range(3):
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").relu_()
     averages = session.key_averages()
     table = averages.table(sort_by="self_cpu_time_total", row_limit=50)
     self_ms = {e.key: e.self_cpu_time_total / 1000 for e in averages}
-    total_ms = sum(self_ms.values())
-    found = op_profile(table, tokens=10, wall_ms=4 * total_ms)
-    top = found["top_ops_ms_per_output_token"]
-    assert set(top) == set(self_ms) and "aten::mm" in top
-    for name, ms_per_token in top.items():  # the table rounds to about 3 digits
-        assert abs(ms_per_token - self_ms[name] / 10) <= 0.01 * self_ms[name] / 10 + 1e-3, name
-    assert abs(found["ops_ms_per_output_token"] - total_ms / 10) <= 0.01 * total_ms / 10 + 1e-3
-    assert abs(found["ops_share_of_wall"] - 0.25) < 0.01
+    found = op_profile(table, linears_per_forward=3)
+    assert found["forwards"] == 10
+    top = found["top_ops_ms_per_forward"]
+    assert set(top) == set(self_ms) and "mkldnn::_linear_pointwise" in top
+    for name, ms in top.items():  # the table rounds to about 3 digits
+        assert abs(ms - self_ms[name] / 10) <= 0.01 * self_ms[name] / 10 + 1e-3, name
+    total = sum(self_ms.values()) / 10
+    assert abs(found["ops_ms_per_forward"] - total) <= 0.01 * total + 1e-3
