@@ -7,7 +7,10 @@ Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
 Every stage is batched over rows and skipped when no row uses it: an all-greedy batch costs a copy
-and an argmax. Logprobs are read from the raw logits, before any stage: they are the model's own.
+and an argmax. Logprobs are read from the raw logits, before any stage (the model's own), except
+under a grammar: there they come from the distribution after the grammar's mask (the seed's rule),
+renormalized over the tokens the grammar allows, so a forbidden token never shows up among the
+top log-probs and the chosen token's log-prob says how likely it was among the allowed ones.
 """
 
 from __future__ import annotations
@@ -262,7 +265,12 @@ def _result(
     ks = [s.params.logprobs for s in states]
     if all(k is None for k in ks):
         return SampleResult(token_ids.tolist(), None, None)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (num_rows, vocab_size), raw distribution
+    source = logits.float()  # (num_rows, vocab_size)
+    matchers = [s.matcher if k is not None else None for s, k in zip(states, ks, strict=True)]
+    if any(m is not None for m in matchers):
+        source = source.clone()  # a float32 logits tensor is not copied by .float()
+        apply_grammar_masks(source, matchers)  # the matchers have not consumed this step's token
+    logprobs = torch.log_softmax(source, dim=-1)  # raw, or after the grammar's mask
     logprobs = torch.nan_to_num(logprobs, nan=_NEG_INF, neginf=_NEG_INF)  # a NaN row reports -inf
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (num_rows,)
     max_k = min(max(k or 0 for k in ks), logprobs.shape[1])

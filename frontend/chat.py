@@ -249,8 +249,16 @@ def render_chat(body: ChatCompletionRequest, model: ModelInfo) -> RenderedPrompt
 
 def thinking_kwargs(kwargs: dict[str, Any], reasoning_effort: str | None = None) -> dict[str, Any]:
     """The template's thinking switches: `enable_thinking` and `thinking` always equal, and set
-    from `reasoning_effort` (none / minimal: off; low and up: on) unless the kwargs set them."""
+    from `reasoning_effort` (none / minimal: off; low and up: on) unless the kwargs set them.
+    The two set to different values is a 400: which one the template reads depends on the
+    template, so either choice would silently ignore one of them."""
     kwargs = dict(kwargs)
+    both = [kwargs[k] for k in ("enable_thinking", "thinking") if k in kwargs]
+    if len(both) == 2 and bool(both[0]) != bool(both[1]):
+        raise InvalidRequest(
+            "chat_template_kwargs sets enable_thinking and thinking to different values",
+            "chat_template_kwargs",
+        )
     if reasoning_effort is not None and not {"enable_thinking", "thinking"} & kwargs.keys():
         kwargs["enable_thinking"] = reasoning_effort not in ("none", "minimal")
     for key, other in (("enable_thinking", "thinking"), ("thinking", "enable_thinking")):

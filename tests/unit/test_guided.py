@@ -183,3 +183,22 @@ def test_an_answer_format_beside_tools_allows_the_answer_or_calls(tiny_model_pat
     assert accepts('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
     assert not accepts("Sunny, I think.")
     assert not accepts('{"hours":3}')
+
+
+def test_log_probs_under_a_grammar_come_from_the_masked_distribution(llm: LLM) -> None:
+    """The seed's rule: with a grammar, log-probs are those of the distribution after its mask
+    (renormalized over the allowed tokens), so no forbidden token is among the top ones."""
+    digits = {str(d) for d in range(10)}
+    spec = guided.regex(r"[0-9]{4}")
+    free = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
+    guided_params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, guided=spec)
+    raw, masked = (llm.generate([TEST_PROMPTS[0]], p)[0].outputs[0] for p in (free, guided_params))
+    assert re.fullmatch(r"[0-9]{4}", masked.text)
+    for step, top in enumerate(masked.top_logprobs):
+        texts = [llm.tokenizer.decode([token_id]) for token_id, _ in top]
+        assert all(t and set(t) <= digits for t in texts), (step, texts)  # allowed tokens only
+        assert masked.logprobs[step] == top[0][1]  # greedy: the chosen one is the most likely
+    # renormalized: the first token's log-prob is above the raw one of the same token
+    raw_first = dict(raw.top_logprobs[0]).get(masked.token_ids[0])
+    assert raw_first is None or masked.logprobs[0] > raw_first
+    assert masked.logprobs[0] <= 0.0
