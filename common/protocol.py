@@ -85,6 +85,9 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     parser_state: dict[str, object] = msgspec.field(
         default_factory=dict
     )  # reasoning / tool parsers
+    # Prompt tokens not billed in usage: a forced tool call's prefix the frontend appended after
+    # the template (the seed's prompt_tokens_excluded_from_usage)
+    prompt_tokens_excluded: int = 0
 
 
 class GenerateRequest(_Message, tag="generate"):

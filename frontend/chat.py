@@ -296,6 +296,10 @@ def to_generate_request(
     rendered = RenderedPrompt(rendered.template_text, rendered.template_text + plan.prompt_prefix)
     model.check_prompt_chars(len(rendered.prompt_text), "messages")
     prompt = tokenizer.encode(rendered.prompt_text)
+    # the forced-call prefix is the server's doing: usage counts the template's tokens only
+    excluded = (
+        len(prompt) - len(tokenizer.encode(rendered.template_text)) if plan.prompt_prefix else 0
+    )
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -320,6 +324,7 @@ def to_generate_request(
         skip_special_tokens=body.skip_special_tokens,
         prompt_token_ids_b64=prompt_b64,
         parser_state=parser_state(model, rendered, plan),
+        prompt_tokens_excluded=max(0, excluded),
     )
     return GenerateRequest(
         request_id=new_request_id("chatcmpl"),

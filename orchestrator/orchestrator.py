@@ -330,8 +330,7 @@ class Orchestrator:
         waiting = [
             r
             for r in self.requests.values()
-            if r.state in (State.QUEUED, State.PREFILLING)
-            and r.request.priority < request.priority
+            if r.state in (State.QUEUED, State.PREFILLING) and r.request.priority < request.priority
         ]  # dicts keep insertion order: arrival order
         if not waiting:
             return False

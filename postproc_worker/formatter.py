@@ -131,7 +131,7 @@ class SingleChoiceRenderer:
     def _usage(self) -> Any:
         state = self.state
         return self.inner.usage(
-            state.num_prompt_tokens, state.num_cached_tokens, state.choices[0].num_tokens
+            state.billed_prompt_tokens, state.billed_cached_tokens, state.choices[0].num_tokens
         )
 
 
@@ -184,6 +184,7 @@ class RequestState:
         prompt = request.prompt_token_ids_b64
         prompt_token_ids = decode_token_ids(prompt) if prompt else []
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_unbilled_prompt_tokens = options.prompt_tokens_excluded
         self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
@@ -310,5 +311,14 @@ class RequestState:
     def usage(self) -> Usage:
         """OpenAI's usage: every sampled choice counts."""
         return openai_frames.usage(
-            self.num_prompt_tokens, self.num_cached_tokens, self.num_completion_tokens
+            self.billed_prompt_tokens, self.billed_cached_tokens, self.num_completion_tokens
         )
+
+    @property
+    def billed_prompt_tokens(self) -> int:
+        """The prompt as usage counts it: without a forced tool call's injected prefix."""
+        return self.num_prompt_tokens - self.num_unbilled_prompt_tokens
+
+    @property
+    def billed_cached_tokens(self) -> int:
+        return min(self.num_cached_tokens, self.billed_prompt_tokens)

@@ -105,7 +105,7 @@ class PostprocWorker:
                     request_id=delta.request_id,
                     data=out.ending,
                     done=True,
-                    prompt_tokens=state.num_prompt_tokens,
+                    prompt_tokens=state.billed_prompt_tokens,
                     completion_tokens=state.num_completion_tokens,
                 )
                 self.push.send(address, ending)

@@ -295,3 +295,18 @@ def test_blocks_are_free_afterwards(cluster) -> None:
     info = cluster.wait_idle()
     for worker in info.workers:
         assert worker.blocks_used == 0 and worker.blocks_leased == 0, worker
+
+
+def test_the_forced_call_prefix_is_not_billed(oai) -> None:
+    """The seed's prompt_tokens_excluded_from_usage: a named tool choice appends the call's
+    opening to the prompt, which the model reads but the client did not send."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    forced = chat(oai, seed=4, tools=[WEATHER, TIME], tool_choice=named)
+    auto = chat(oai, seed=4, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=2)
+    assert forced.usage.prompt_tokens == auto.usage.prompt_tokens > 0  # the same template
+    with oai.chat.completions.stream(
+        model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=4,
+        tools=[WEATHER, TIME], tool_choice=named, stream_options={"include_usage": True},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_completion()
+    assert final.usage.prompt_tokens == auto.usage.prompt_tokens
