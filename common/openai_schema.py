@@ -42,6 +42,10 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # return_token_ids (vLLM's extension): the prompt's ids (streamed: in a choice's first
+    # chunk) and the output's (streamed: each chunk's new ones)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -100,6 +104,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: the output's ids
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -109,6 +114,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -139,6 +145,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -150,6 +157,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: in the first chunk
 
 
 # --- /v1/embeddings -------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from common.kv_events import KVEvent
 from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Role = Literal["context", "generation", "postproc", "frontend"]
 
@@ -88,6 +88,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Prompt tokens not billed in usage: a forced tool call's prefix the frontend appended after
     # the template (the seed's prompt_tokens_excluded_from_usage)
     prompt_tokens_excluded: int = 0
+    return_token_ids: bool = False  # prompt and output token ids in the body / chunks (vLLM's)
 
 
 class GenerateRequest(_Message, tag="generate"):
@@ -99,6 +100,11 @@ class GenerateRequest(_Message, tag="generate"):
     cache_salt: str | None = None
     priority: int = 0
     arrival_time: float = 0.0
+    # Made by the frontend, where the tokens are, so that the orchestrator (the cluster's one
+    # serial stage) never decodes a prompt: its length (load, the local-prefill threshold) and,
+    # for the kv_aware router, its chained block hashes (common/block_hash.py)
+    num_prompt_tokens: int = 0
+    prompt_block_hashes: list[int] = msgspec.field(default_factory=list)
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:

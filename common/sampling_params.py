@@ -23,6 +23,18 @@ class GuidedDecoding(msgspec.Struct, frozen=True, kw_only=True):
     source: str = ""  # what asked for it, for errors and logs: "json_schema", "tool_choice", ...
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True, kw_only=True):
+    """At most `tokens` tokens of thinking (between the model's start and end markers, all
+    blocks together); once they are spent inside a block, the engine forces the end marker and
+    the answer follows. Built by the frontend, which knows the model's markers and whether the
+    prompt leaves the model inside thinking already (a prefilled start marker)."""
+
+    tokens: int
+    start: list[int]  # the start marker's token ids
+    end: list[int]  # the end marker's token ids: what is forced
+    open_at_start: bool = False
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
@@ -49,6 +61,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # (last-token pooling, as for decoder-only embedding models); the request ends with its
     # prompt, and the one token sampled with it is not output.
     embed: bool = False
+    thinking_budget: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +103,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids",
                     f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
                 )
+        if self.thinking_budget is not None:
+            budget = self.thinking_budget
+            _check(budget.tokens >= 0, "thinking_token_budget", "must be >= 0")
+            _check(bool(budget.start and budget.end), "thinking_token_budget",
+                   "needs the model's thinking markers")  # fmt: skip
+            _check(self.guided is None, "thinking_token_budget",
+                   "cannot be combined with a grammar (response_format, guided_*, a forced "
+                   "tool call): the forced end of thinking would break it")  # fmt: skip
         for value in (self.logit_bias or {}).values():
             _check(-100.0 <= value <= 100.0, "logit_bias", f"bias {value} is outside [-100, 100]")
 

@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner, PromptRows
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.thinking_budget import ThinkingTracker
 
 
 @dataclass(slots=True)
@@ -218,6 +219,7 @@ class LLMEngine:
             seed=choice_seed(params.seed, index) if params.seed is not None else None,
             eos_token_ids=self.eos_token_ids,
             matcher=self.grammars.matcher(params.guided) if params.guided is not None else None,
+            thinking=ThinkingTracker(params.thinking_budget) if params.thinking_budget else None,
         )
         return Sequence(
             seq_id=request_id if params.n == 1 else f"{request_id}#{index}",

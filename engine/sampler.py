@@ -2,7 +2,8 @@
 
 Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
 
-    logit_bias → min_tokens → grammar mask → repetition penalty → presence/frequency penalties
+    logit_bias → min_tokens → grammar mask → a spent thinking budget's forced token
+        → repetition penalty → presence/frequency penalties
         → greedy rows: argmax
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
@@ -22,6 +23,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.guided import apply_grammar_masks
+from engine.thinking_budget import ThinkingTracker
 
 _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-5  # dividing by less overflows float32; such rows are greedy in all but name
@@ -61,12 +63,16 @@ class SamplingState:
     seed: int | None = None  # choice_seed(params.seed, index) when seeded
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids, masked during min_tokens
     matcher: llguidance.LLMatcher | None = None  # params.guided's grammar state (engine/guided.py)
+    thinking: ThinkingTracker | None = None  # params.thinking_budget's state
 
     def append(self, token_id: int) -> None:
-        """Record a sampled (or replayed) token; the grammar, if any, consumes it too."""
+        """Record a sampled (or replayed) token; the grammar and the thinking budget, if any,
+        consume it too."""
         self.output_token_ids.append(token_id)
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
+        if self.thinking is not None:
+            self.thinking.append(token_id)
 
 
 @dataclass(slots=True)
@@ -102,11 +108,23 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Te
     x = _apply_logit_bias(x, states)
     masked = _apply_min_tokens(x, states)
     masked |= apply_grammar_masks(x, [s.matcher for s in states])
+    _apply_forced_tokens(x, states)
     x = _apply_repetition_penalty(x, states)
     x = _apply_presence_frequency(x, states)
     if fallback is not None:
         x = _revive_dead_rows(x, fallback)
     return x
+
+
+def _apply_forced_tokens(x: torch.Tensor, states: list[SamplingState]) -> None:
+    """A row whose thinking budget is spent gets one choice: the end marker's next token
+    (whatever the temperature, which then samples from that one token)."""
+    for i, state in enumerate(states):
+        forced = state.thinking.forced_token() if state.thinking is not None else None
+        if forced is not None:
+            keep = x[i, forced].clone()
+            x[i].fill_(_NEG_INF)
+            x[i, forced] = keep if torch.isfinite(keep) else 0.0
 
 
 def warp_logits(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

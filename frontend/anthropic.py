@@ -11,8 +11,9 @@ Anthropic's message body or its streaming events. The conversation maps onto cha
     tools / tool_choice auto|any|tool|none ─▶ tools / "auto"|"required"|named|"none"
     thinking enabled|disabled        ─▶ chat_template_kwargs enable_thinking
 
-`thinking.budget_tokens` is checked as Anthropic does but not enforced: max_tokens bounds the
-whole answer. Images and server tools are refused (400).
+`thinking.budget_tokens` is checked as Anthropic does and enforced as the chat route's
+thinking_token_budget (the engine forces the end of thinking when it is spent); max_tokens bounds
+the whole answer. Images and server tools are refused (400).
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def to_generate_request(body: MessagesRequest, model: ModelInfo, reply_to: str) 
         )
     request = msgspec.structs.replace(
         as_chat(body),
+        thinking_token_budget=budget if body.thinking and body.thinking.type == "enabled" else None,
         max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,

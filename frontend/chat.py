@@ -10,17 +10,18 @@ template, and the translation into a GenerateRequest.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from common.errors import InvalidRequest
 from common.guided import check
 from common.parser_choice import reasoning_parser_for
-from common.protocol import GenerateRequest, OutputOptions, encode_token_ids
-from common.thinking import resolve_prefilled_thinking
+from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
+from common.sampling_params import ThinkingBudget
+from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
 from frontend.chat_template import RenderedPrompt, render, takes_tools
-from frontend.completions import StreamOptions, new_request_id
+from frontend.completions import StreamOptions, check_token_ids, new_request_id
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     Penalty,
@@ -112,6 +113,9 @@ class ChatCompletionRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # At most this many tokens of thinking; then the end-of-thinking marker is forced (vLLM's
+    # name). Needs a model with thinking markers; not with a grammar.
+    thinking_token_budget: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # Standard fields that cannot change the output here: accepted and ignored (README).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -140,6 +144,11 @@ class ChatCompletionRequest(_Strict):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
+    # the prompt as token ids: the template is not rendered (messages are still required by the
+    # schema, and give the tools' and parsers' context only)
+    prompt_token_ids: list[int] | None = None
+    prompt_token_ids_b64: str | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -292,14 +301,26 @@ def to_generate_request(
     )
     if constraint is not None:
         check(constraint, model.ll_tokenizer())
-    rendered = render_chat(body, model)
-    rendered = RenderedPrompt(rendered.template_text, rendered.template_text + plan.prompt_prefix)
-    model.check_prompt_chars(len(rendered.prompt_text), "messages")
-    prompt = tokenizer.encode(rendered.prompt_text)
-    # the forced-call prefix is the server's doing: usage counts the template's tokens only
-    excluded = (
-        len(prompt) - len(tokenizer.encode(rendered.template_text)) if plan.prompt_prefix else 0
-    )
+    given = given_prompt_ids(body, model)
+    excluded = 0
+    if given is not None:  # the pass-through path: no template, the ids are the prompt
+        if plan.prompt_prefix:
+            raise InvalidRequest(
+                "a named tool_choice cannot be forced with prompt_token_ids: its opening would "
+                "be joined to ids already tokenized, where token boundaries differ",
+                "tool_choice",
+            )
+        prompt = given
+        text = tokenizer.decode(prompt, skip_special_tokens=False)
+        rendered = RenderedPrompt(text, text)
+    else:
+        rendered = render_chat(body, model)
+        template_text = rendered.template_text
+        rendered = RenderedPrompt(template_text, template_text + plan.prompt_prefix)
+        model.check_prompt_chars(len(rendered.prompt_text), "messages")
+        prompt = tokenizer.encode(rendered.prompt_text)
+        if plan.prompt_prefix:  # the server's doing: usage counts the template's tokens only
+            excluded = len(prompt) - len(tokenizer.encode(template_text))
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -312,6 +333,7 @@ def to_generate_request(
         logit_bias=logit_bias(body.logit_bias, model.vocab_size),
         stop=stop_list(body.stop) + list(plan.stop),
         guided=constraint,
+        thinking_budget=thinking_budget(body.thinking_token_budget, model, rendered),
     )
     prompt_b64 = encode_token_ids(prompt)
     output = OutputOptions(
@@ -325,6 +347,7 @@ def to_generate_request(
         prompt_token_ids_b64=prompt_b64,
         parser_state=parser_state(model, rendered, plan),
         prompt_tokens_excluded=max(0, excluded),
+        return_token_ids=body.return_token_ids,
     )
     return GenerateRequest(
         request_id=new_request_id("chatcmpl"),
@@ -335,6 +358,50 @@ def to_generate_request(
         cache_salt=body.cache_salt,
         priority=body.priority,
         arrival_time=time.time(),
+    )
+
+
+def given_prompt_ids(body: ChatCompletionRequest, model: ModelInfo) -> list[int] | None:
+    """prompt_token_ids or prompt_token_ids_b64 (the seed's pass-through: a multi-turn client
+    that holds the last turn's ids keeps its prefix cache across template versions)."""
+    if body.prompt_token_ids is not None and body.prompt_token_ids_b64 is not None:
+        raise InvalidRequest(
+            "give at most one of prompt_token_ids and prompt_token_ids_b64", "prompt_token_ids"
+        )
+    if body.prompt_token_ids_b64 is not None:
+        try:
+            ids = decode_token_ids(body.prompt_token_ids_b64)
+        except ValueError as e:
+            raise InvalidRequest(f"prompt_token_ids_b64: {e}", "prompt_token_ids_b64") from None
+        param = "prompt_token_ids_b64"
+    elif body.prompt_token_ids is not None:
+        ids, param = body.prompt_token_ids, "prompt_token_ids"
+    else:
+        return None
+    if not ids:
+        raise InvalidRequest(f"{param} must not be empty", param)
+    check_token_ids(ids, model, param)
+    return list(ids)
+
+
+def thinking_budget(
+    tokens: int | None, model: ModelInfo, rendered: RenderedPrompt
+) -> ThinkingBudget | None:
+    """The engine's side of thinking_token_budget: the model's markers as token ids, and whether
+    the template left the model inside thinking already (a prefilled start marker)."""
+    if tokens is None:
+        return None
+    if reasoning_parser_for(model.model_type) is None:
+        raise InvalidRequest(
+            "thinking_token_budget needs a model that thinks in <think> blocks",
+            "thinking_token_budget",
+        )
+    encode = model.tokenizer.encode
+    return ThinkingBudget(
+        tokens=tokens,
+        start=encode(THINK_START),
+        end=encode(THINK_END),
+        open_at_start=resolve_prefilled_thinking(rendered.template_text) is True,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 import zmq
 import zmq.asyncio
 
+from common.block_hash import block_hashes
 from common.config import ClusterConfig
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -41,6 +42,7 @@ from common.protocol import (
     RegisterAgain,
     RequestFailed,
     WorkerStats,
+    decode_token_ids,
     encode,
 )
 from common.transport import async_recv, async_send, bind_random_port, make_socket
@@ -96,11 +98,22 @@ class ClusterClient:
         self.chunks.close()
 
     async def submit(self, request: GenerateRequest) -> asyncio.Queue[Event]:
+        self.add_routing_fields(request)
         frame = encode(request)  # first: a request that cannot be sent leaves no open entry
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.open[request.request_id] = queue
         await self.dealer.send(frame)
         return queue
+
+    def add_routing_fields(self, request: GenerateRequest) -> None:
+        """What the orchestrator routes on, computed here (a frontend can be one of several
+        processes; the orchestrator is one loop): the prompt's length and block hashes."""
+        prompt = decode_token_ids(request.prompt_token_ids_b64)
+        request.num_prompt_tokens = len(prompt)
+        if self.config.orchestrator.router == "kv_aware":
+            request.prompt_block_hashes = block_hashes(
+                prompt, self.config.kv_cache.block_size, request.extra_keys
+            )
 
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request everywhere (a no-op if it already ended).

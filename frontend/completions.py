@@ -58,6 +58,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
     priority: int = 0
@@ -89,7 +90,7 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
             ids = decode_token_ids(body.prompt_token_ids_b64)
         except ValueError as e:
             raise InvalidRequest(f"prompt_token_ids_b64: {e}", "prompt_token_ids_b64") from None
-        _check_ids(ids, model, "prompt_token_ids_b64")
+        check_token_ids(ids, model, "prompt_token_ids_b64")
         return [(ids, tokenizer.decode(ids, skip_special_tokens=False))]
     prompt = body.prompt
     texts: list[str] = []
@@ -104,12 +105,12 @@ def prompt_list(body: CompletionRequest, model: ModelInfo) -> list[tuple[list[in
         return [(tokenizer.encode(text), text) for text in texts]
     assert isinstance(prompt, list)
     if prompt and all(is_token_id(t) for t in prompt):
-        _check_ids(prompt, model, "prompt")
+        check_token_ids(prompt, model, "prompt")
         return [(list(prompt), tokenizer.decode(prompt, skip_special_tokens=False))]
     if prompt and all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
         _check_count(len(prompt), body.best_of or body.n)
         for ids in prompt:
-            _check_ids(ids, model, "prompt")
+            check_token_ids(ids, model, "prompt")
         return [(list(p), tokenizer.decode(p, skip_special_tokens=False)) for p in prompt]
     raise InvalidRequest(
         "prompt must be a string, a list of strings, a list of token ids, or a list of lists of "
@@ -123,7 +124,7 @@ def is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_ids(ids: list[int], model: ModelInfo, param: str) -> None:
+def check_token_ids(ids: list[int], model: ModelInfo, param: str) -> None:
     if len(ids) > model.max_model_len:
         raise InvalidRequest(
             f"the prompt has {len(ids)} tokens; this model's maximum context length is "
@@ -204,6 +205,7 @@ def to_generate_requests(
             stop=stops,
             skip_special_tokens=body.skip_special_tokens,
             prompt_token_ids_b64=prompt_b64,
+            return_token_ids=body.return_token_ids,
         )
         requests.append(
             GenerateRequest(

@@ -20,7 +20,7 @@ from typing import Annotated, Protocol
 import msgspec
 
 from common.errors import InvalidRequest
-from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams, ThinkingBudget
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # The official API's ranges, checked when the body is decoded.
@@ -137,6 +137,7 @@ def sampling_params(
     stop: list[str],
     guided: GuidedDecoding | None,
     prompt_logprobs: int | None = None,
+    thinking_budget: ThinkingBudget | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams, validated; the route-specific fields are passed in."""
 
@@ -164,6 +165,7 @@ def sampling_params(
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
         guided=guided,
+        thinking_budget=thinking_budget,
     )
     params.validate(vocab_size)
     return params

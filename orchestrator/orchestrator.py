@@ -20,7 +20,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-from common.block_hash import block_hashes
 from common.config import ClusterConfig
 from common.kv_events import BlockRemoved, BlockStored
 from common.protocol import (
@@ -47,7 +46,6 @@ from common.protocol import (
     RequestFailed,
     RequestFinished,
     WorkerInfo,
-    decode_token_ids,
 )
 from orchestrator.kv_event_log import KVEventLog
 from orchestrator.profile_round import ProfileRound
@@ -72,14 +70,12 @@ class State(enum.Enum):
 class RequestRecord:
     request: GenerateRequest
     frontend: bytes  # the ROUTER identity to send RequestFailed to
-    prompt_token_ids: list[int]
     postproc_address: str = ""
     postproc_worker_id: str = ""
     state: State = State.QUEUED
     context_worker: WorkerRecord | None = None
     generation_worker: WorkerRecord | None = None
     prefill_attempts: int = 0
-    block_hashes: list[int] | None = None  # of the prompt, for the kv_aware router
 
     @property
     def request_id(self) -> str:
@@ -89,7 +85,7 @@ class RequestRecord:
     def load(self) -> int:
         """Tokens it adds to a worker's load: the prompt and all it may generate."""
         sampling = self.request.sampling
-        return len(self.prompt_token_ids) + sampling.n * sampling.max_tokens
+        return self.request.num_prompt_tokens + sampling.n * sampling.max_tokens
 
 
 class Orchestrator:
@@ -303,12 +299,7 @@ class Orchestrator:
             busy = f"the cluster is at capacity ({limit} requests in flight); retry shortly"
             out.append((sender, self.failure(request.request_id, 429, busy)))
             return
-        try:
-            prompt = decode_token_ids(request.prompt_token_ids_b64)
-        except ValueError as e:
-            out.append((sender, self.failure(request.request_id, 400, str(e))))
-            return
-        record = RequestRecord(request, sender, prompt)
+        record = RequestRecord(request, sender)
         postproc = self.registry.postproc_for(request.request_id)
         if postproc is None:
             out.append((sender, self.failure(request.request_id, 503, "no postproc worker is up")))
@@ -343,7 +334,7 @@ class Orchestrator:
         """Aggregated mode, a short prompt, or no context worker up: skip the hand-off."""
         if self.config.mode == "aggregated":
             return True
-        if len(record.prompt_token_ids) <= self.config.orchestrator.max_local_prefill_length:
+        if record.request.num_prompt_tokens <= self.config.orchestrator.max_local_prefill_length:
             return True
         if not self.registry.routable("context"):
             logger.warning("%s: no context worker is up; prefilling on a generation worker",
@@ -395,15 +386,10 @@ class Orchestrator:
         )
         out.append((worker.worker_id.encode(), decode))
 
-    def hashes(self, record: RequestRecord) -> list[int]:
-        """The prompt's block hashes, computed once per request (prefill and decode routing)."""
-        if record.block_hashes is None:
-            record.block_hashes = block_hashes(
-                record.prompt_token_ids,
-                self.config.kv_cache.block_size,
-                record.request.extra_keys,
-            )
-        return record.block_hashes
+    @staticmethod
+    def hashes(record: RequestRecord) -> list[int]:
+        """The prompt's block hashes, as the frontend computed them (kv_aware only)."""
+        return record.request.prompt_block_hashes
 
     def assign(self, record: RequestRecord, worker: WorkerRecord, slot: str) -> None:
         setattr(record, slot, worker)

@@ -40,11 +40,14 @@ class ChatRenderer:
         if not choice.started:
             choice.started = True
             role = DeltaMessage(role="assistant", content="")
-            frames += sse(self._chunk([ChatChunkChoice(index=index, delta=role)]))
+            first = self._chunk([ChatChunkChoice(index=index, delta=role)])
+            if self.state.return_token_ids:
+                first.prompt_token_ids = self.state.prompt_token_ids
+            frames += sse(first)
         final = choice.finish_reason is not None
         delta = self.state.parsed(choice, text, final=final).delta()
         if delta == DeltaMessage() and not final:
-            return frames  # nothing visible yet: logprobs wait for the chunk that carries the text
+            return frames  # nothing visible yet: logprobs (and ids) wait for the chunk with text
         records, choice.logprobs = choice.logprobs, []
         chat_choice = ChatChunkChoice(
             index=index,
@@ -52,6 +55,8 @@ class ChatRenderer:
             logprobs=self._logprobs(records) if records else None,
             finish_reason=self._finish_reason(choice),
         )
+        if self.state.return_token_ids:
+            chat_choice.token_ids = choice.take_token_ids()
         return frames + sse(self._chunk([chat_choice]))
 
     def end_frames(self) -> bytes:
@@ -61,19 +66,20 @@ class ChatRenderer:
 
     def body(self) -> bytes:
         state = self.state
-        return json_encoder.encode(
-            ChatCompletion(
-                id=state.response_id,
-                created=state.created,
-                model=state.model,
-                choices=[self._choice(c) for c in state.choices],
-                usage=state.usage(),
-            )
+        completion = ChatCompletion(
+            id=state.response_id,
+            created=state.created,
+            model=state.model,
+            choices=[self._choice(c) for c in state.choices],
+            usage=state.usage(),
         )
+        if state.return_token_ids:
+            completion.prompt_token_ids = state.prompt_token_ids
+        return json_encoder.encode(completion)
 
     def _choice(self, choice: ChoiceState) -> ChatChoice:
         text = "".join(choice.text_parts)
-        return ChatChoice(
+        chat_choice = ChatChoice(
             index=choice.index + self.state.index_offset,
             message=ChatMessage(content=text)
             if choice.parsers is None
@@ -83,6 +89,9 @@ class ChatRenderer:
             else None,
             finish_reason=self._finish_reason(choice),
         )
+        if self.state.return_token_ids:
+            chat_choice.token_ids = choice.token_ids
+        return chat_choice
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: Usage | None = None

@@ -36,6 +36,10 @@ class CompletionRenderer:
             logprobs=self._logprobs(records, with_prompt=echoed),
             finish_reason=choice.finish_reason,
         )
+        if self.state.return_token_ids:  # the prompt's ids with a choice's first chunk
+            completion_choice.token_ids = choice.take_token_ids()
+            if echoed:
+                completion_choice.prompt_token_ids = self.state.prompt_token_ids
         return sse(self._completion([completion_choice]))
 
     def end_frames(self) -> bytes:
@@ -53,6 +57,10 @@ class CompletionRenderer:
             )
             for index, c in enumerate(self.state.answered_choices())
         ]
+        if self.state.return_token_ids:
+            for completion_choice, c in zip(choices, self.state.answered_choices(), strict=True):
+                completion_choice.prompt_token_ids = self.state.prompt_token_ids
+                completion_choice.token_ids = c.token_ids
         # every sampled choice counts in the usage, best_of's unshown ones too
         return json_encoder.encode(self._completion(choices, self.state.usage()))
 

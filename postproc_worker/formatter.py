@@ -74,6 +74,13 @@ class ChoiceState:
     finish_reason: str | None = None  # set once the client's view of the choice is complete
     engine_finished: bool = False  # the engine sent this choice's finish_reason
     started: bool = False  # streaming: the first chunk (role, or echo) went out
+    # return_token_ids: the output's ids (streaming: only those not yet sent)
+    token_ids: list[int] = field(default_factory=list)
+
+    def take_token_ids(self) -> list[int]:
+        """Streaming: the ids not sent yet, handed to the chunk that sends them."""
+        ids, self.token_ids = self.token_ids, []
+        return ids
 
 
 class Renderer(Protocol):
@@ -185,6 +192,7 @@ class RequestState:
         prompt_token_ids = decode_token_ids(prompt) if prompt else []
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_unbilled_prompt_tokens = options.prompt_tokens_excluded
+        self.return_token_ids = options.return_token_ids
         self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
@@ -262,6 +270,8 @@ class RequestState:
         last = len(delta.token_ids) - 1
         for k, token_id in enumerate(delta.token_ids):
             choice.num_tokens += 1
+            if self.return_token_ids:
+                choice.token_ids.append(token_id)
             if self._record_logprobs and delta.logprobs is not None:
                 top = delta.top_logprobs[k] if delta.top_logprobs is not None else []
                 offset = len(self.echo) + choice.detokenizer.num_chars

@@ -310,3 +310,30 @@ def test_the_forced_call_prefix_is_not_billed(oai) -> None:
     ) as stream:  # fmt: skip
         final = stream.get_final_completion()
     assert final.usage.prompt_tokens == auto.usage.prompt_tokens
+
+
+def test_a_thinking_budget_forces_the_end_of_thinking_across_the_hand_off(
+    oai, cluster: Cluster
+) -> None:
+    """The first token is sampled on the context worker, the rest on the generation worker,
+    which replays it into the budget's state. A bias makes `<think>` the argmax at every step,
+    so only the budget can close a block."""
+    tokens = httpx.post(
+        f"{cluster.base_url}/tokenize",
+        json={"model": MODEL, "prompt": "<think></think>"},
+        timeout=10,
+    ).json()["tokens"]
+    think, end = tokens
+    options = {"temperature": 0.0, "max_tokens": 8, "logprobs": True,
+               "logit_bias": {str(think): 100}, "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+    def token_strings(**extra) -> list[str]:
+        result = chat(oai, **options, **extra)
+        return [t.token for t in result.choices[0].logprobs.content]
+
+    assert token_strings() == ["<think>"] * 8
+    budgeted = token_strings(extra_body={"ignore_eos": True, "thinking_token_budget": 3})
+    assert budgeted == ["<think>"] * 4 + ["</think>", "<think>", "</think>", "<think>"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(oai, extra_body={"thinking_token_budget": 3, "guided_regex": "[a-z]+"})
+    assert refused.value.body["param"] == "thinking_token_budget"

@@ -8,6 +8,7 @@ import random
 import msgspec
 import pytest
 
+from common.block_hash import block_hashes
 from common.config import parse_cluster_config
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -75,12 +76,16 @@ def cluster(yaml: str = "", contexts: int = 1, generations: int = 1) -> Orchestr
 
 
 def generate(request_id: str = "cmpl-1", num_tokens: int = 40) -> GenerateRequest:
+    """As a frontend sends it: with the prompt's length and block hashes (blocks of 16)."""
+    prompt = list(range(num_tokens))
     return GenerateRequest(
         request_id=request_id,
-        prompt_token_ids_b64=encode_token_ids(list(range(num_tokens))),
+        prompt_token_ids_b64=encode_token_ids(prompt),
         sampling=SamplingParams(max_tokens=8),
         output=OutputOptions(),
         reply_to="tcp://127.0.0.1:9999",
+        num_prompt_tokens=num_tokens,
+        prompt_block_hashes=block_hashes(prompt, 16),
     )
 
 
