@@ -5,7 +5,8 @@ One grammar per request, whatever asked for it:
 
     response_format json_object / json_schema, guided_json → a JSON-schema grammar
     guided_regex, guided_grammar (Lark)                     → a regex / Lark grammar
-    tool_choice "required"   → one or more <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    tool_choice "required"   → one or more <tool_call>{"name": ..., "arguments": ...}</tool_call>,
+                               after the thinking the model is in, or may open
     tool_choice named        → {"name": f, "arguments": ...}</tool_call>, after the injected
                                "<tool_call>\\n" (the frontend appends it to the rendered prompt)
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import llguidance
 
@@ -72,15 +73,31 @@ def tool_call_schema(function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+ThinkingMode = Literal["off", "open", "optional"]
+# Thinking before forced calls, where <think> and </think> are tokens: any text up to the end
+# token (text cannot contain a token, so the end is unambiguous), then the blank the model puts
+# after it. "open": the prompt ends inside <think>; "optional": the model may open a block.
+_THOUGHT = {
+    "off": "",
+    "open": "/(?s:.*)/ </think> /[ \\n]*/ ",
+    "optional": "(<think> /(?s:.*)/ </think> /[ \\n]*/)? ",
+}
+
+
 def required_tool_calls(
-    functions: list[dict[str, Any]], tags_are_tokens: bool = True, parallel: bool = True
+    functions: list[dict[str, Any]],
+    tags_are_tokens: bool = True,
+    parallel: bool = True,
+    thinking: ThinkingMode = "off",
 ) -> GuidedDecoding:
     """At least one call of one of the tools (exactly one unless `parallel`), each inside
-    <tool_call> tags, nothing else."""
+    <tool_call> tags, nothing else but the thinking before them that `thinking` allows."""
     schema = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
     begin, end = _call_tags(tags_are_tokens)
     more = ' ("\\n" call)*' if parallel else ""
-    text = f"start: call{more}\ncall: {begin} %json {json.dumps(schema)} {end}\n"
+    text = (
+        f"start: {_THOUGHT[thinking]}call{more}\ncall: {begin} %json {json.dumps(schema)} {end}\n"
+    )
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )

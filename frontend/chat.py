@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from common.errors import InvalidRequest
-from common.guided import check
+from common.guided import ThinkingMode, check
 from common.parser_choice import reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
@@ -285,12 +285,20 @@ def to_generate_request(
     """Validate, render, tokenize and translate; raises InvalidRequest naming the parameter."""
     check_request(body, allow_request_template)
     tokenizer = model.tokenizer
+    given = given_prompt_ids(body, model)
+    if given is not None:  # the pass-through path: no template, the ids are the prompt
+        text = tokenizer.decode(given, skip_special_tokens=False)
+        rendered = RenderedPrompt(text, text)
+    else:
+        rendered = render_chat(body, model)
+        model.check_prompt_chars(len(rendered.template_text), "messages")
     tools = tool_dicts(body.tools or [])
     plan = plan_tools(
         tools,
         body.tool_choice,
         tags_are_tokens=tokenizer.token_to_id("<tool_call>") is not None,
         parallel=body.parallel_tool_calls is not False,
+        thinking=thinking_mode(model, rendered.template_text),
     )
     constraint = combine(
         plan,
@@ -301,9 +309,8 @@ def to_generate_request(
     )
     if constraint is not None:
         check(constraint, model.ll_tokenizer())
-    given = given_prompt_ids(body, model)
     excluded = 0
-    if given is not None:  # the pass-through path: no template, the ids are the prompt
+    if given is not None:
         if plan.prompt_prefix:
             raise InvalidRequest(
                 "a named tool_choice cannot be forced with prompt_token_ids: its opening would "
@@ -311,10 +318,7 @@ def to_generate_request(
                 "tool_choice",
             )
         prompt = given
-        text = tokenizer.decode(prompt, skip_special_tokens=False)
-        rendered = RenderedPrompt(text, text)
     else:
-        rendered = render_chat(body, model)
         template_text = rendered.template_text
         rendered = RenderedPrompt(template_text, template_text + plan.prompt_prefix)
         model.check_prompt_chars(len(rendered.prompt_text), "messages")
@@ -382,6 +386,20 @@ def given_prompt_ids(body: ChatCompletionRequest, model: ModelInfo) -> list[int]
         raise InvalidRequest(f"{param} must not be empty", param)
     check_token_ids(ids, model, param)
     return list(ids)
+
+
+def thinking_mode(model: ModelInfo, template_text: str) -> ThinkingMode:
+    """What a forced tool call's grammar lets the model do first: go on thinking (the prompt
+    ends inside <think>), choose to think (no marker prefilled), or nothing (the template closed
+    thinking, the model does not think, or its think tags are not tokens)."""
+    tokenizer = model.tokenizer
+    if reasoning_parser_for(model.model_type) is None or None in (
+        tokenizer.token_to_id(THINK_START),
+        tokenizer.token_to_id(THINK_END),
+    ):
+        return "off"
+    prefilled = resolve_prefilled_thinking(template_text)
+    return "open" if prefilled is True else "off" if prefilled is False else "optional"
 
 
 def thinking_budget(

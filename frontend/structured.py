@@ -3,7 +3,8 @@ prompt prefix a forced tool call needs, and what the tool parser must know.
 
     tool_choice none / auto (no strict tool)  → no constraint; the parser finds calls in the text
     auto with strict tools                    → free text, calls constrained once opened
-    required                                  → at least one call, constrained
+    required                                  → at least one call, constrained (thinking first,
+                                                where the model thinks)
     named function                            → "<tool_call>\\n" appended to the rendered prompt
                                                 (both halves: the prefix AND the schema), and the
                                                 parser starts inside a call
@@ -91,11 +92,13 @@ def plan_tools(
     tool_choice: str | dict[str, Any] | None,
     tags_are_tokens: bool = True,
     parallel: bool = True,
+    thinking: guided.ThinkingMode = "off",
 ) -> ToolPlan:
     """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}});
     `tags_are_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens; `parallel`
     False (parallel_tool_calls): one call at most, by the grammar where there is one, else by
-    stopping where the first call closes."""
+    stopping where the first call closes. `thinking`: what a required call's grammar lets the
+    model do before the calls (common/guided.py)."""
     functions = [t["function"] for t in tools]
     if tool_choice == "none" or not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -112,7 +115,7 @@ def plan_tools(
         )
     if tool_choice == "required":
         return ToolPlan(
-            guided=guided.required_tool_calls(functions, tags_are_tokens, parallel),
+            guided=guided.required_tool_calls(functions, tags_are_tokens, parallel, thinking),
             parse_tools=True,
         )
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":

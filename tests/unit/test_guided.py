@@ -202,3 +202,38 @@ def test_log_probs_under_a_grammar_come_from_the_masked_distribution(llm: LLM) -
     raw_first = dict(raw.top_logprobs[0]).get(masked.token_ids[0])
     assert raw_first is None or masked.logprobs[0] > raw_first
     assert masked.logprobs[0] <= 0.0
+
+
+@pytest.mark.parametrize(
+    ("thinking", "accepted"),
+    [
+        ("off", {"call"}),
+        ("optional", {"call", "think, call"}),
+        ("open", {"rest of thought, call"}),
+    ],
+)
+def test_required_calls_let_a_thinking_model_think_first(
+    tiny_model_path: Path, thinking: str, accepted: set[str]
+) -> None:
+    """tool_choice required with thinking on: the grammar lets the model think (go on thinking
+    when the prompt ends inside <think>, or open a block when it may), then forces the calls."""
+    import llguidance
+
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    ll = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    texts = {
+        "call": call,
+        "think, call": "<think>\nRain < sun? Check.\n</think>\n\n" + call,
+        "rest of thought, call": "Rain < sun? Check.\n</think>\n\n" + call,
+        "think, no call": "<think>\nhm\n</think>\n\nIt rains.",
+        "text": "It rains.",
+    }
+    spec = guided.required_tool_calls([WEATHER], thinking=thinking)  # type: ignore[arg-type]
+    guided.check(spec, ll)
+    for name, text in texts.items():
+        matcher = llguidance.LLMatcher(ll, spec.grammar)
+        ok = matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
+        assert ok == (name in accepted), name
