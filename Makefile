@@ -40,16 +40,16 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy common frontend orchestrator postproc_worker
 
 bench: tiny-model
-	$(PY) bench/serving.py
-	$(PY) bench/engine.py
-	$(PY) bench/guided.py
+	$(PY) -m bench.serving
+	$(PY) -m bench.engine_vs_hf
+	$(PY) -m bench.guided
 
 bench-real: $(STAMP)
-	$(PY) bench/serving.py --real-model
+	$(PY) -m bench.serving --real-model
 
 # Side by side with vLLM (installed into ~/.cache/pdcluster/vllm-venv on first use, ~7 minutes)
 bench-peers: tiny-model smollm2-model
-	$(PY) bench/peers.py
+	$(PY) -m bench.peers
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -23,9 +23,9 @@ status=0
 timeout 120 python3 -m orchestrator.cli tiny-model 2>&1 | tail -2 || status=1
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 \
     | tee "$out/kernel-tests.log" | tail -3 || status=1
-timeout 120 python3 bench/kernels.py --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || status=1
+timeout 120 python3 -m bench.kernels --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || status=1
 tail -5 "$out/kernels.log"
-timeout 300 python3 bench/serving.py --device cuda --repeats 1 --no-profile \
+timeout 300 python3 -m bench.serving --device cuda --repeats 1 --no-profile \
     --out "$out/serving.json" >"$out/serving.log" 2>&1 || status=1
 tail -30 "$out/serving.log"
 exit $status

@@ -4,7 +4,7 @@ For each batch size, the same seeded prompts are decoded free, under a JSON sche
 regex; the figure is seconds per generated token (median of `--repeats` runs), and the overhead
 is constrained / free. The constraints are built by `common.guided`, exactly as the frontend does.
 
-    .venv/bin/python bench/guided.py [--model builtin:tiny] [--out bench/results/guided.json]
+    .venv/bin/python -m bench.guided [--model builtin:tiny] [--out bench/results/guided.json]
 """
 
 from __future__ import annotations
@@ -13,19 +13,17 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from common import guided
+from common.sampling_params import GuidedDecoding, SamplingParams
+from engine.llm import LLM
+from engine.tiny_model import TEST_PROMPTS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
-
-import torch  # noqa: E402
-
-from common import guided  # noqa: E402
-from common.sampling_params import GuidedDecoding, SamplingParams  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.tiny_model import TEST_PROMPTS  # noqa: E402
 
 SCHEMA = {
     "type": "object",

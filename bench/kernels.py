@@ -7,7 +7,7 @@ import), as achieved bandwidth = bytes of K/V read / median time; plus a device-
 decode_bw / copy_bw can be read against what the memory can do. Prefill is timed against SDPA too.
 Without CUDA it runs a small correctness pass in the Triton interpreter instead.
 
-    .venv/bin/python bench/kernels.py [--out bench/results/kernels.json]
+    .venv/bin/python -m bench.kernels [--out bench/results/kernels.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernels)
-    sys.path.insert(0, str(ROOT))
     import triton
 
     result: dict[str, Any] = {

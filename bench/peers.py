@@ -1,7 +1,7 @@
 """Side by side with vLLM on this host: the same workload, from the same load generator, against
 vLLM's OpenAI server, the aggregated cluster and the disaggregated cluster, in one run.
 
-    .venv/bin/python bench/peers.py [--models builtin:smollm2-135m builtin:tiny]
+    .venv/bin/python -m bench.peers [--models builtin:smollm2-135m builtin:tiny]
                                     [--dtypes float32 bfloat16] [--concurrency 1 8 32]
                                     [--repeats 2] [--out bench/results/peers.json]
 
@@ -39,14 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+import torch
+
+from bench.serving import Cluster, free_port
+from engine.builtin_build import ensure_builtin
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
-
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-from bench.serving import Cluster, free_port  # noqa: E402
-from engine.builtin_build import ensure_builtin  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"

@@ -1,9 +1,9 @@
 """Serving benchmark: the cluster over HTTP against the in-process engine and Hugging Face
 `generate`, side by side in one run, written as JSON (stable keys) and PNG plots.
 
-    .venv/bin/python bench/serving.py [--device cpu|cuda] [--model builtin:tiny]
+    .venv/bin/python -m bench.serving [--device cpu|cuda] [--model builtin:tiny]
                                       [--out bench/results/latest.json] [--repeats 3]
-    .venv/bin/python bench/serving.py --real-model      # SmolLM2-135M-Instruct, sized for it
+    .venv/bin/python -m bench.serving --real-model      # SmolLM2-135M-Instruct, sized for it
 
 `--real-model` runs builtin:smollm2-135m (30 layers: about 15x the tiny model's work per token)
 with a workload of its size: prompts of 128-256 tokens, 128 output tokens, 1 / 8 / 32 clients,
@@ -44,17 +44,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.cluster_profile import ClusterProfile
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from orchestrator.supervisor import SERVING
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
-
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from bench.cluster_profile import ClusterProfile  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from orchestrator.supervisor import SERVING  # noqa: E402
 
 HEADLINE_CONCURRENCY = 32
 REAL_MODEL_PRESET = {

@@ -7,7 +7,7 @@ requests of `--chunk-mib`. The baseline copies the same blocks inside one proces
 index_select + index_copy_, and a plain contiguous copy as the memory-bandwidth ceiling). Figures
 are medians of `--repeats`.
 
-    .venv/bin/python bench/transfer.py [--out bench/results/transfer.json]
+    .venv/bin/python -m bench.transfer [--out bench/results/transfer.json]
 """
 
 from __future__ import annotations
@@ -19,20 +19,18 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
+import torch
+
+from common.protocol import KVPool
+from engine.kv_transfer import KVTransferAgent, TransferHandle
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with engine.py
-
-import msgspec  # noqa: E402
-import torch  # noqa: E402
-
-from common.protocol import KVPool  # noqa: E402
-from engine.kv_transfer import KVTransferAgent, TransferHandle  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 60.0

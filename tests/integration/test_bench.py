@@ -18,10 +18,10 @@ RATIOS = ("pipeline_efficiency", "vs_hf_sequential", "vs_hf_batched", "disagg_vs
 
 def test_serving_bench_writes_every_figure(tmp_path: Path, tiny_model_path: Path) -> None:
     out = tmp_path / "latest.json"
-    command = [sys.executable, str(ROOT / "bench/serving.py"), "--concurrency", "1", "2",
+    command = [sys.executable, "-m", "bench.serving", "--concurrency", "1", "2",
                "--repeats", "1", "--prompt-len", "16", "48", "--output-len", "4", "12",
                "--hf-sequential-requests", "1", "--out", str(out)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         output, _ = process.communicate(timeout=300)
     finally:

@@ -5,7 +5,7 @@ same requests one at a time and as one padded batch. Every request generates exa
 tokens (EOS ignored on both sides) so the token counts are equal. Figures are medians of `--repeats`
 runs.
 
-    .venv/bin/python bench/engine.py [--model builtin:tiny] [--out bench/results/engine.json]
+    .venv/bin/python -m bench.engine_vs_hf [--model builtin:tiny] [--out bench/results/engine.json]
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script, bench/ would shadow the `engine` package with this file
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from common.sampling_params import SamplingParams  # noqa: E402
-from engine.llm import LLM  # noqa: E402
 
 
 def make_prompts(
