@@ -340,10 +340,11 @@ def main() -> None:
                     result["models"].setdefault(model, {})[dtype] = summarize(
                         runs, args.concurrency, weight_bytes(model_dir), bandwidth
                     )
-                if args.profile:
-                    result["profiles"].setdefault(model, {})[dtype] = profile_servers(
-                        args, bin_dir, model, model_dir, dtype, workdir
-                    )
+                if args.profile:  # merged by level and server into the earlier profiles
+                    profiles = result["profiles"].setdefault(model, {}).setdefault(dtype, {})
+                    found = profile_servers(args, bin_dir, model, model_dir, dtype, workdir)
+                    for level, by_server in found.items():
+                        profiles.setdefault(level, {}).update(by_server)
                 args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each, if cut
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
