@@ -76,11 +76,12 @@ def tool_call_schema(function: dict[str, Any]) -> dict[str, Any]:
 ThinkingMode = Literal["off", "open", "optional"]
 # Thinking before forced calls, where <think> and </think> are tokens: any text up to the end
 # token (text cannot contain a token, so the end is unambiguous), then the blank the model puts
-# after it. "open": the prompt ends inside <think>; "optional": the model may open a block.
+# after it, a few characters (unbounded, a weak model can fill max_tokens with newlines).
+# "open": the prompt ends inside <think>; "optional": the model may open a block.
 _THOUGHT = {
     "off": "",
-    "open": "/(?s:.*)/ </think> /[ \\n]*/ ",
-    "optional": "(<think> /(?s:.*)/ </think> /[ \\n]*/)? ",
+    "open": "/(?s:.*)/ </think> /[ \\n]{0,4}/ ",
+    "optional": "(<think> /(?s:.*)/ </think> /[ \\n]{0,4}/)? ",
 }
 
 

@@ -50,6 +50,11 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The tiny model thinks as Qwen3 does: with thinking on, a required call's grammar lets it open a
+# <think> block first, where its random weights may ramble past max_tokens. The tests of the
+# calls themselves turn thinking off; test_required_calls_let_a_thinking_model_finish_its_thought
+# covers thinking first.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +96,9 @@ def check_calls(calls, names: set[str]) -> None:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_required_tool_choice_always_calls_a_tool(oai, seed: int) -> None:
-    result = chat(oai, seed=seed, tools=[WEATHER, TIME], tool_choice="required")
+    result = chat(
+        oai, seed=seed, tools=[WEATHER, TIME], tool_choice="required", extra_body=NO_THINKING
+    )
     choice = result.choices[0]
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
@@ -120,7 +127,7 @@ def test_named_tool_choice_calls_that_tool_streaming_and_not(oai, seed: int) -> 
 def test_required_tool_calls_stream(oai) -> None:
     with oai.chat.completions.stream(
         model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=9,
-        tools=[WEATHER], tool_choice="required",
+        tools=[WEATHER], tool_choice="required", extra_body=NO_THINKING,
     ) as stream:  # fmt: skip
         final = stream.get_final_completion()
     check_calls(final.choices[0].message.tool_calls, {"get_weather"})
@@ -223,7 +230,9 @@ def test_anthropic_tool_choice_makes_tool_use_blocks_streaming_and_not(claude, s
     check_tool_uses(claude.messages.create(**options, tool_choice=named), {"get_time"})
     with claude.messages.stream(**options, tool_choice=named) as stream:
         streamed = check_tool_uses(stream.get_final_message(), {"get_time"})
-    any_tool = claude.messages.create(**options, tool_choice={"type": "any"})
+    any_tool = claude.messages.create(
+        **options, tool_choice={"type": "any"}, thinking={"type": "disabled"}
+    )
     check_tool_uses(any_tool, {"get_weather", "get_time"})
     assert (
         streamed[0].input
@@ -325,15 +334,36 @@ def test_a_thinking_budget_forces_the_end_of_thinking_across_the_hand_off(
     ).json()["tokens"]
     think, end = tokens
     options = {"temperature": 0.0, "max_tokens": 8, "logprobs": True,
-               "logit_bias": {str(think): 100}, "extra_body": {"ignore_eos": True}}  # fmt: skip
+               "logit_bias": {str(think): 100}}  # fmt: skip
 
     def token_strings(**extra) -> list[str]:
-        result = chat(oai, **options, **extra)
+        result = chat(oai, **options, extra_body={"ignore_eos": True, **extra})
         return [t.token for t in result.choices[0].logprobs.content]
 
     assert token_strings() == ["<think>"] * 8
-    budgeted = token_strings(extra_body={"ignore_eos": True, "thinking_token_budget": 3})
+    budgeted = token_strings(thinking_token_budget=3)
     assert budgeted == ["<think>"] * 4 + ["</think>", "<think>", "</think>", "<think>"]
     with pytest.raises(openai.BadRequestError) as refused:
         chat(oai, extra_body={"thinking_token_budget": 3, "guided_regex": "[a-z]+"})
     assert refused.value.body["param"] == "thinking_token_budget"
+
+
+def test_required_calls_let_a_thinking_model_finish_its_thought(oai, cluster: Cluster) -> None:
+    """A prompt that leaves the model inside <think> (here given as ids: the template's output
+    and an opened block): the required call's grammar lets the thought end first, then forces
+    the call. A bias makes </think> the model's first choice; before, the grammar forbade it
+    and the output had to open with the call. The thought ends on the context worker, the call
+    is made on the generation worker."""
+    tokenize = f"{cluster.base_url}/tokenize"
+    rendered = httpx.post(tokenize, json={"model": MODEL, "messages": ASK}, timeout=10).json()
+    opened = httpx.post(tokenize, json={"model": MODEL, "prompt": "<think>\n"}, timeout=10).json()
+    end = httpx.post(tokenize, json={"model": MODEL, "prompt": "</think>"}, timeout=10).json()
+    result = chat(
+        oai, tools=[WEATHER], tool_choice="required", temperature=0.0, logprobs=True,
+        logit_bias={str(end["tokens"][0]): 100},
+        extra_body={"prompt_token_ids": rendered["tokens"] + opened["tokens"]},
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.logprobs.content[0].token == "</think>"
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls, {"get_weather"})
