@@ -10,8 +10,9 @@ F.linear 33 / 62 ms at 1 / 8 rows, oneDNN 24 / 40 ms, packed 22 / 28 ms, that is
 in summation order (about 1e-5 relative); greedy tokens matched transformers' in every parity
 test.
 
-Packing is for CPU tensors of float32 or bfloat16 in a torch with oneDNN; elsewhere (GPU) the
-layers are torch's linear. A packed weight is an opaque oneDNN tensor: nothing else reads it
+Packing is for CPU tensors of float32, or bfloat16 where oneDNN runs it on this CPU (AVX-512
+or AVX-NE-CONVERT; an AVX2-only host refuses to pack bfloat16 and keeps torch's linear), in a
+torch with oneDNN; elsewhere (GPU) the layers are torch's linear. A packed weight is an opaque oneDNN tensor: nothing else reads it
 (a tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
 """
 
@@ -44,7 +45,9 @@ class Linear(nn.Linear):
 
 
 def can_pack(device: str, dtype: torch.dtype) -> bool:
-    return device == "cpu" and dtype in ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
+    if device != "cpu" or dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_layers(model: nn.Module) -> None:

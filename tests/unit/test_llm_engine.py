@@ -197,3 +197,18 @@ def test_a_context_longer_than_the_models_positions_is_refused_at_start() -> Non
     """Past max_position_embeddings the rotary tables have no rows: refused, not read past."""
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         LLM("builtin:tiny", max_model_len=10**7)
+
+
+def test_a_bfloat16_engine_runs_on_any_cpu(hf_greedy: list[list[int]]) -> None:
+    """bfloat16 weights are packed for oneDNN only where oneDNN runs bfloat16 on this CPU (an
+    AVX2-only host refuses to pack them); elsewhere the layers stay torch's linear. Either way
+    the engine starts and generates."""
+    from engine.linear import Linear
+
+    llm = LLM(dtype="bfloat16", num_blocks=64)
+    packed = {m.packed for m in llm.engine.model.modules() if isinstance(m, Linear)}
+    assert packed == {bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+    [out] = llm.generate([TEST_PROMPTS[0]], GREEDY)
+    assert len(out.outputs[0].token_ids) == MAX_NEW
+    # bfloat16 rounding may change a late token, not the first ones
+    assert out.outputs[0].token_ids[:4] == hf_greedy[0][:4]
