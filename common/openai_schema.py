@@ -13,6 +13,8 @@ from typing import Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from common.stage_times import StageTimes
+
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
@@ -57,6 +59,8 @@ class Completion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None | UnsetType = UNSET
+    # return_perf_metrics: where the time went (streamed: in a last chunk with no choices)
+    perf_metrics: StageTimes | UnsetType = UNSET
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
@@ -115,6 +119,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+    perf_metrics: StageTimes | UnsetType = UNSET  # return_perf_metrics
 
 
 class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -158,6 +163,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: Usage | None | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: in the first chunk
+    perf_metrics: StageTimes | UnsetType = UNSET  # return_perf_metrics: in the last chunk
 
 
 # --- /v1/embeddings -------------------------------------------------------------------------------

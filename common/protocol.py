@@ -38,8 +38,9 @@ from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
 from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
+from common.stage_times import StageTimes
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 Role = Literal["context", "generation", "postproc", "frontend"]
 
@@ -89,6 +90,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     # the template (the seed's prompt_tokens_excluded_from_usage)
     prompt_tokens_excluded: int = 0
     return_token_ids: bool = False  # prompt and output token ids in the body / chunks (vLLM's)
+    perf_metrics: bool = False  # the request's StageTimes in the body / last chunk
 
 
 class GenerateRequest(_Message, tag="generate"):
@@ -99,7 +101,6 @@ class GenerateRequest(_Message, tag="generate"):
     reply_to: str  # the frontend's PULL address for this request's chunks
     cache_salt: str | None = None
     priority: int = 0
-    arrival_time: float = 0.0
     # Made by the frontend, where the tokens are, so that the orchestrator (the cluster's one
     # serial stage) never decodes a prompt: its length (load, the local-prefill threshold) and,
     # for the kv_aware router, its chained block hashes (common/block_hash.py)
@@ -238,6 +239,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # of prompt tokens 1, 2, ... given the ones before
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     embedding: bytes | None = None  # SamplingParams.embed: the pooled vector, float32 LE
+    # On a choice's first token, the stages up to it; on its last, every stage
+    times: StageTimes | None = None
 
 
 class PrefillRequest(_Message, tag="prefill"):
@@ -258,7 +261,13 @@ class PrefillDone(_Message, tag="prefill_done"):
     agent_name: str
     first: list[TokenDelta]  # one per choice, index order
     block_ids: list[int] = msgspec.field(default_factory=list)
-    lease_expires_at: float = 0.0  # time.time() when the context worker frees the blocks
+    # How long the blocks stay leased, counted from when this was sent: a duration, since the
+    # context and generation workers' clocks need not agree (the reader counts it from receipt,
+    # the orchestrator forwards at once). 0: nothing leased.
+    lease_s: float = 0.0
+    times: StageTimes = msgspec.field(
+        default_factory=StageTimes
+    )  # the stages up to the first token
 
     @property
     def finished(self) -> bool:
@@ -357,6 +366,7 @@ class Chunk(_Message, tag="chunk"):
     status_code: int = 200
     prompt_tokens: int = 0  # on the ending chunk: the request's usage, for the frontend's metrics
     completion_tokens: int = 0
+    times: StageTimes | None = None  # on the ending chunk: for the Server-Timing header
 
 
 Message = (

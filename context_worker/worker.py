@@ -27,6 +27,7 @@ from common.protocol import (
     Register,
     Registered,
     RequestFailed,
+    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
@@ -55,6 +56,7 @@ class ContextWorker:
         self.engine, self.agent = build_engine(config, worker_id, config.context_workers)
         self.leases = LeaseTable(config.transfer.lease_seconds)
         self.prefilling: dict[str, PrefillRequest] = {}
+        self.received_at: dict[str, float] = {}  # time.monotonic(), per request prefilling
         self.first_tokens: dict[str, list[TokenDelta]] = {}
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
@@ -133,6 +135,7 @@ class ContextWorker:
             self.fail(request.request_id, str(e), "prompt")
             return
         self.prefilling[request.request_id] = prefill
+        self.received_at[request.request_id] = time.monotonic()
 
     def fail(
         self, request_id: str, message: str, param: str | None, status_code: int = 400
@@ -154,25 +157,37 @@ class ContextWorker:
             first = self.first_tokens.setdefault(out.request_id, [])
             first.append(to_delta(out))
             if len(first) == prefill.request.sampling.n:
-                self.finish(prefill, sorted(first, key=lambda d: d.index))
+                times = StageTimes(
+                    queue_s=out.queue_s,
+                    prefill_s=out.run_s,
+                    first_token_s=time.monotonic() - self.received_at[out.request_id],
+                )
+                self.finish(prefill, sorted(first, key=lambda d: d.index), times)
 
-    def finish(self, prefill: PrefillRequest, first: list[TokenDelta]) -> None:
+    def finish(self, prefill: PrefillRequest, first: list[TokenDelta], times: StageTimes) -> None:
         """Lease the prompt's blocks to a reader, or, when the first tokens already end every
         choice, free them and hand the tokens to the postproc worker directly."""
         request_id = prefill.request.request_id
         del self.prefilling[request_id], self.first_tokens[request_id]
+        del self.received_at[request_id]
         done = PrefillDone(
-            request_id=request_id, worker_id=self.worker_id, agent_name=self.agent.name, first=first
+            request_id=request_id,
+            worker_id=self.worker_id,
+            agent_name=self.agent.name,
+            first=first,
+            times=times,
         )
         if done.finished:
             self.engine.release_held(request_id)
+            for delta in first:
+                delta.times = times
             self.push.send(
                 prefill.postproc_address, TokenBatch(deltas=first, first=[prefill.request])
             )
         else:
             done.block_ids = self.engine.held_block_table(request_id)
             self.leases.add(request_id, time.monotonic())
-            done.lease_expires_at = time.time() + self.leases.lease_s
+            done.lease_s = self.leases.lease_s
         self.link.send(done)
 
     def end_leases(self) -> None:
@@ -187,6 +202,7 @@ class ContextWorker:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)  # frees held blocks too
         self.prefilling.pop(request_id, None)
+        self.received_at.pop(request_id, None)
         self.first_tokens.pop(request_id, None)
         self.leases.release(request_id)
 

@@ -12,8 +12,9 @@ test.
 
 Packing is for CPU tensors of float32, or bfloat16 where oneDNN runs it on this CPU (AVX-512
 or AVX-NE-CONVERT; an AVX2-only host refuses to pack bfloat16 and keeps torch's linear), in a
-torch with oneDNN; elsewhere (GPU) the layers are torch's linear. A packed weight is an opaque oneDNN tensor: nothing else reads it
-(a tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
+torch with oneDNN; elsewhere (GPU) the layers are torch's linear. A packed weight is an opaque
+oneDNN tensor: nothing else reads it (a tied LM head keeps the embedding's plain tensor for
+lookups and packs a copy).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Workers drive it directly (add_request / step / abort); `engine.llm.LLM` wraps i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -44,6 +45,8 @@ class TokenOutput:
     # ones before it (from the second token on) and its top alternatives.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     embedding: bytes | None = None  # SamplingParams.embed: little-endian float32 values
+    queue_s: float = 0.0  # the sequence's wait before it first ran here
+    run_s: float = 0.0  # since it first ran here: its first output's is its prefill
 
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
@@ -260,8 +263,9 @@ class LLMEngine:
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
         self.num_generated_tokens += len(seqs)
         self.scheduler.postprocess(out, seqs, sampled)
+        now = time.monotonic()
         return [
-            self._output(seq, row, sampled, last_hidden if seq.params.embed else None)
+            self._output(seq, row, sampled, last_hidden if seq.params.embed else None, now)
             for row, seq in enumerate(seqs)
         ]
 
@@ -290,7 +294,12 @@ class LLMEngine:
                 seq.prompt_logprobs.append((float(logprobs[i, target]), alternatives))
 
     def _output(
-        self, seq: Sequence, row: int, sampled: SampleResult, hidden: torch.Tensor | None
+        self,
+        seq: Sequence,
+        row: int,
+        sampled: SampleResult,
+        hidden: torch.Tensor | None,
+        now: float,
     ) -> TokenOutput:
         """`hidden`: the sampling rows' final hidden states, when this row's request embeds."""
         wants_logprobs = seq.params.logprobs is not None
@@ -314,6 +323,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             prompt_logprobs=prompt_logprobs,
             embedding=_pooled(hidden[row]) if hidden is not None else None,
+            queue_s=seq.queue_s,
+            run_s=now - seq.admitted_at,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

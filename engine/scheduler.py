@@ -123,6 +123,7 @@ class Scheduler:
         lead.arrival_order = self._arrivals
         self._arrivals += 1
         lead.status = SequenceStatus.RUNNING
+        lead.admitted_at = time.monotonic()  # its pull was its wait
         _insert(self.running, lead)
         for seq in siblings:
             self.add(seq)
@@ -182,11 +183,14 @@ class Scheduler:
             if not self.kv.allocate_slots(seq.seq_id, num_cached + num_new, blocks):
                 break
             self.waiting.pop(0)
+            if not seq.admitted_at:
+                seq.admitted_at = time.monotonic()
+                seq.queue_s = seq.admitted_at - seq.arrival_time
             if not seq.output_token_ids:  # a first admission, not a recompute or a pulled request
                 seq.num_cached_prompt_tokens = num_cached
                 self._count_lookup(seq.num_prompt_tokens, num_cached)
                 self.num_admitted += 1
-                self.queue_seconds += time.monotonic() - seq.arrival_time
+                self.queue_seconds += seq.queue_s
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)

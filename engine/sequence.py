@@ -34,6 +34,8 @@ class Sequence:
     arrival_order: int = 0
     priority: int = 0  # higher runs first (the request's `priority`), FIFO within a level
     arrival_time: float = 0.0  # time.monotonic() when queued, for the queue-time metric
+    admitted_at: float = 0.0  # time.monotonic() when it first ran (admitted, or its pull done)
+    queue_s: float = 0.0  # arrival → first admission
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission
     status: SequenceStatus = SequenceStatus.WAITING

@@ -145,6 +145,7 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
+    return_perf_metrics: bool = False  # where the time went (StageTimes), in the answer
     # the prompt as token ids: the template is not rendered (messages are still required by the
     # schema, and give the tools' and parsers' context only)
     prompt_token_ids: list[int] | None = None
@@ -352,6 +353,7 @@ def to_generate_request(
         parser_state=parser_state(model, rendered, plan),
         prompt_tokens_excluded=max(0, excluded),
         return_token_ids=body.return_token_ids,
+        perf_metrics=body.return_perf_metrics,
     )
     return GenerateRequest(
         request_id=new_request_id("chatcmpl"),
@@ -361,7 +363,6 @@ def to_generate_request(
         reply_to=reply_to,
         cache_salt=body.cache_salt,
         priority=body.priority,
-        arrival_time=time.time(),
     )
 
 

@@ -59,6 +59,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
+    return_perf_metrics: bool = False  # where the time went (StageTimes), in the answer
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
     priority: int = 0
@@ -206,6 +207,7 @@ def to_generate_requests(
             skip_special_tokens=body.skip_special_tokens,
             prompt_token_ids_b64=prompt_b64,
             return_token_ids=body.return_token_ids,
+            perf_metrics=body.return_perf_metrics,
         )
         requests.append(
             GenerateRequest(
@@ -216,7 +218,6 @@ def to_generate_requests(
                 reply_to=reply_to,
                 cache_salt=body.cache_salt,
                 priority=body.priority,
-                arrival_time=time.time(),
             )
         )
     return requests

@@ -115,7 +115,6 @@ def to_generate_requests(
                 reply_to=reply_to,
                 cache_salt=body.cache_salt,
                 priority=body.priority,
-                arrival_time=time.time(),
             )
         )
     return requests

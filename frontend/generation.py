@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from common.errors import anthropic_error_body, as_anthropic_error, error_body
 from common.openai_schema import Completion, EmbeddingList, PromptTokensDetails, Usage
 from common.protocol import Chunk, GenerateRequest, RequestFailed
+from common.stage_times import StageTimes
 from frontend import metrics
 from frontend.cluster_client import ClusterClient, Event
 
@@ -130,8 +133,10 @@ async def serve(
         merge = merge_embedding_bodies if generates[0].output.kind == "embedding" else merge_bodies
         body = bodies[0] if len(bodies) == 1 else merge(bodies)
         prompt, completion = _usage(chunks)
-        metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False)
-        return Response(body, media_type="application/json")
+        times = _slowest([c.times for c in chunks if c.times is not None])
+        metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False, times=times)
+        headers = {"Server-Timing": times.server_timing(ttft_s)} if times is not None else None
+        return Response(body, media_type="application/json", headers=headers)
     return StreamingResponse(
         _relay(client, ids, chunks, queues, media, started, ttft_s, deadline, timeout_s),
         media_type="text/event-stream",
@@ -214,7 +219,8 @@ async def _relay(
             yield merge_stream_endings(finals)
         prompt, completion = _usage(endings)
         e2e_s = time.perf_counter() - started
-        metrics.observe_generation(ttft_s, e2e_s, prompt, completion, streamed=True)
+        times = _slowest([c.times for c in endings if c.times is not None])
+        metrics.observe_generation(ttft_s, e2e_s, prompt, completion, streamed=True, times=times)
     finally:
         for task in pumps:
             task.cancel()
@@ -240,12 +246,20 @@ def _usage(endings: list[Chunk]) -> tuple[int, int]:
     return sum(c.prompt_tokens for c in endings), sum(c.completion_tokens for c in endings)
 
 
+def _slowest(times: list[StageTimes] | list[StageTimes | UnsetType]) -> StageTimes | None:
+    """Several prompts' stage times as one response's: each stage's longest (they run side by
+    side); None when there are none."""
+    measured = [t for t in times if isinstance(t, StageTimes)]
+    return functools.reduce(StageTimes.slowest, measured) if measured else None
+
+
 def merge_bodies(bodies: list[bytes]) -> bytes:
     """Several prompts' completion bodies as one: choices in order, usage summed."""
     parts = [msgspec.json.decode(b, type=Completion) for b in bodies]
     merged = parts[0]
     merged.choices = [c for p in parts for c in p.choices]
     merged.usage = _sum_usage([p.usage for p in parts if isinstance(p.usage, Usage)])
+    merged.perf_metrics = _slowest([p.perf_metrics for p in parts]) or UNSET
     return msgspec.json.encode(merged)
 
 
@@ -270,7 +284,9 @@ def merge_stream_endings(finals: list[bytes]) -> bytes:
     if not usage_chunks:
         return SSE_DONE
     ending = usage_chunks[0]
-    ending.usage = _sum_usage([c.usage for c in usage_chunks if isinstance(c.usage, Usage)])
+    if isinstance(ending.usage, Usage):
+        ending.usage = _sum_usage([c.usage for c in usage_chunks if isinstance(c.usage, Usage)])
+    ending.perf_metrics = _slowest([c.perf_metrics for c in usage_chunks]) or UNSET
     return b"data: " + msgspec.json.encode(ending) + b"\n\n" + SSE_DONE
 
 

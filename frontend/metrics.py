@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.protocol import ClusterInfo, WorkerInfo
+from common.stage_times import StageTimes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -47,15 +48,29 @@ E2E_LATENCY = Histogram(
     "From the request's arrival to its last byte",
     buckets=LATENCY_BUCKETS,
 )
+REQUEST_STAGES = Histogram(
+    "pdcluster_request_stage_seconds",
+    "Where finished requests' time went, as the workers measured it (common/stage_times.py)",
+    ["stage"],
+    buckets=LATENCY_BUCKETS,
+)
 PROMPT_TOKENS = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("pdcluster_generation_tokens", "Output tokens of finished requests")
 
 
 def observe_generation(
-    ttft_s: float, e2e_s: float, prompt_tokens: int, completion_tokens: int, streamed: bool
+    ttft_s: float,
+    e2e_s: float,
+    prompt_tokens: int,
+    completion_tokens: int,
+    streamed: bool,
+    times: StageTimes | None = None,
 ) -> None:
     """One finished generation (a response fully sent)."""
     E2E_LATENCY.observe(e2e_s)
+    if times is not None:
+        for field in times.__struct_fields__:
+            REQUEST_STAGES.labels(field.removesuffix("_s")).observe(getattr(times, field))
     TIME_TO_FIRST_TOKEN.observe(ttft_s)
     if streamed and completion_tokens > 1:
         INTER_TOKEN_LATENCY.observe((e2e_s - ttft_s) / (completion_tokens - 1))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from common.config import ClusterConfig
@@ -27,13 +29,13 @@ from common.protocol import (
     KVPool,
     Message,
     PeersRequest,
-    PrefillDone,
     Profile,
     ProfileDone,
     Register,
     Registered,
     RequestFailed,
     RequestFinished,
+    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
@@ -69,6 +71,10 @@ class ActiveRequest:
     transfer_num_bytes: int = 0
     transfer_seconds: float = 0.0
     pending: list[TokenDelta] = field(default_factory=list)
+    received_at: float = 0.0  # time.monotonic() here
+    lease_deadline: float = math.inf  # when the source may reuse the prompt's blocks, our clock
+    times: StageTimes = field(default_factory=StageTimes)  # the stages up to the first token
+    started: set[int] = field(default_factory=set)  # choices that have had an output here
 
     @property
     def request_id(self) -> str:
@@ -181,9 +187,9 @@ class GenerationWorker:
         request = decode.request
         if request.request_id in self.active:
             return  # a duplicate delivery
-        prefill = decode.prefill
+        prefill, now = decode.prefill, time.monotonic()
         if prefill is None:
-            active = ActiveRequest(decode, set(range(request.sampling.n)))
+            active = ActiveRequest(decode, set(range(request.sampling.n)), received_at=now)
             self.active[request.request_id] = active
             try:
                 prompt = decode_token_ids(request.prompt_token_ids_b64)
@@ -197,8 +203,16 @@ class GenerationWorker:
             except (InvalidRequest, ValueError) as e:
                 self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
             return
-        active = ActiveRequest(decode, {d.index for d in prefill.first if d.finish_reason is None})
+        active = ActiveRequest(
+            decode,
+            {d.index for d in prefill.first if d.finish_reason is None},
+            received_at=now,
+            lease_deadline=now + prefill.lease_s if prefill.lease_s else math.inf,
+            times=prefill.times,
+        )
         self.active[request.request_id] = active
+        for delta in prefill.first:
+            delta.times = prefill.times
         self.queue(active, prefill.first)  # the first tokens go out before the pull
         bisect.insort_right(self.waiting, decode, key=lambda d: -d.request.priority)
 
@@ -211,7 +225,7 @@ class GenerationWorker:
         blocked = False
         for decode in self.waiting:
             assert decode.prefill is not None
-            if lease_left_s(decode.prefill) < LEASE_MARGIN_S + MIN_READ_S:
+            if self.lease_left_s(decode) < LEASE_MARGIN_S + MIN_READ_S:
                 self.prefill_here(decode)
             elif (
                 blocked or len(self.pulls) + len(self.engine.scheduler.running) >= self.max_num_seqs
@@ -275,6 +289,9 @@ class GenerationWorker:
             return True
         if planned is None:
             return False
+        active.times = msgspec.structs.replace(
+            active.times, queue_s=active.times.queue_s + time.monotonic() - active.received_at
+        )  # its wait here for a slot and blocks
         table, num_valid = planned
         notification = request.request_id.encode()
         try:
@@ -285,7 +302,7 @@ class GenerationWorker:
                     plan.remote_block_ids,
                     plan.local_block_ids,
                     notification,
-                    self.read_timeout_s(prefill),
+                    self.read_timeout_s(decode),
                 )
             else:
                 self.agent.notify(prefill.agent_name, notification)
@@ -297,10 +314,14 @@ class GenerationWorker:
         self.pulls[request.request_id] = Pull(decode, handle)
         return True
 
-    def read_timeout_s(self, prefill: PrefillDone) -> float:
+    def lease_left_s(self, decode: DecodeRequest) -> float:
+        """Seconds until the context worker may reuse the blocks (no lease: unbounded)."""
+        return self.active[decode.request.request_id].lease_deadline - time.monotonic()
+
+    def read_timeout_s(self, decode: DecodeRequest) -> float:
         """How long a READ may take: never past the source's lease (with a margin), since the
         blocks may be reused after it. Raises when the lease is (nearly) over already."""
-        left_s = lease_left_s(prefill) - LEASE_MARGIN_S
+        left_s = self.lease_left_s(decode) - LEASE_MARGIN_S
         if left_s <= 0:
             raise KVTransferError("the context worker's lease ran out before the read")
         return min(self.config.transfer.pull_timeout_seconds, left_s)
@@ -365,15 +386,34 @@ class GenerationWorker:
     # --- output -----------------------------------------------------------------------------------
 
     def emit(self, outputs: list[TokenOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
             active = self.active.get(out.request_id)
             if active is None:
                 continue
-            self.queue(active, [to_delta(out)])
+            self.queue(active, [self.timed_delta(active, out, now)])
             if out.finish_reason is not None:
                 active.unfinished.discard(out.index)
                 if not active.unfinished:
                     self.finish(active, out.finish_reason)
+
+    def timed_delta(self, active: ActiveRequest, out: TokenOutput, now: float) -> TokenDelta:
+        """The output as a delta; a choice's first token (prefilled here) carries the stages up
+        to it, its last every stage."""
+        delta = to_delta(out)
+        prefilled_here = active.decode.prefill is None
+        if prefilled_here and out.index not in active.started:
+            active.times = StageTimes(
+                queue_s=out.queue_s, prefill_s=out.run_s, first_token_s=now - active.received_at
+            )
+            delta.times = active.times
+        active.started.add(out.index)
+        if out.finish_reason is not None:
+            decode_s = out.run_s - (active.times.prefill_s if prefilled_here else 0.0)
+            delta.times = msgspec.structs.replace(
+                active.times, transfer_s=active.transfer_seconds, decode_s=max(decode_s, 0.0)
+            )
+        return delta
 
     def queue(self, active: ActiveRequest, deltas: list[TokenDelta]) -> None:
         """Add deltas to this step's batch for the request's postproc worker."""
@@ -460,8 +500,3 @@ class GenerationWorker:
         self.agent.close()
         self.push.close()
         self.link.close()
-
-
-def lease_left_s(prefill: PrefillDone) -> float:
-    """Seconds until the context worker may reuse the blocks (no lease: unbounded)."""
-    return prefill.lease_expires_at - time.time() if prefill.lease_expires_at else float("inf")

@@ -76,6 +76,7 @@ class RequestRecord:
     context_worker: WorkerRecord | None = None
     generation_worker: WorkerRecord | None = None
     prefill_attempts: int = 0
+    received_at: float = 0.0  # the orchestrator's clock, for StageTimes.first_token_s
 
     @property
     def request_id(self) -> str:
@@ -112,9 +113,9 @@ class Orchestrator:
     def handle(self, sender: bytes, message: Message, now: float) -> Outbox:
         out: Outbox = []
         if isinstance(message, GenerateRequest):
-            self.on_generate(sender, message, out)
+            self.on_generate(sender, message, now, out)
         elif isinstance(message, PrefillDone):
-            self.on_prefill_done(message, out)
+            self.on_prefill_done(message, now, out)
         elif isinstance(message, RequestFinished):
             self.on_finished(message)
         elif isinstance(message, RequestFailed):
@@ -289,7 +290,7 @@ class Orchestrator:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def on_generate(self, sender: bytes, request: GenerateRequest, out: Outbox) -> None:
+    def on_generate(self, sender: bytes, request: GenerateRequest, now: float, out: Outbox) -> None:
         if request.request_id in self.requests:
             failed = self.failure(request.request_id, 400, "this request id is already in use")
             out.append((sender, failed))
@@ -299,7 +300,7 @@ class Orchestrator:
             busy = f"the cluster is at capacity ({limit} requests in flight); retry shortly"
             out.append((sender, self.failure(request.request_id, 429, busy)))
             return
-        record = RequestRecord(request, sender)
+        record = RequestRecord(request, sender, received_at=now)
         postproc = self.registry.postproc_for(request.request_id)
         if postproc is None:
             out.append((sender, self.failure(request.request_id, 503, "no postproc worker is up")))
@@ -351,11 +352,14 @@ class Orchestrator:
         prefill = PrefillRequest(request=record.request, postproc_address=record.postproc_address)
         out.append((worker.worker_id.encode(), prefill))
 
-    def on_prefill_done(self, done: PrefillDone, out: Outbox) -> None:
+    def on_prefill_done(self, done: PrefillDone, now: float, out: Outbox) -> None:
         record = self.requests.get(done.request_id)
         if record is None or record.state is not State.PREFILLING:
             return  # aborted meanwhile: the context worker was told to abort too
         self.release(record, "context_worker")
+        # from the cluster's receipt, routing and a retried prefill included; the lease (a
+        # duration) goes on as it came: the decode request leaves now
+        done.times.first_token_s = now - record.received_at
         if done.finished:
             self.end(done.request_id)  # the context worker sent the tokens to postproc itself
             return

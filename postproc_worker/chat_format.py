@@ -60,9 +60,13 @@ class ChatRenderer:
         return frames + sse(self._chunk([chat_choice]))
 
     def end_frames(self) -> bytes:
-        if not self.state.include_usage:
+        state = self.state
+        if not (state.include_usage or state.perf_metrics):
             return SSE_DONE
-        return sse(self._chunk([], self.state.usage())) + SSE_DONE
+        last = self._chunk([], state.usage() if state.include_usage else None)
+        if state.perf_metrics:
+            last.perf_metrics = state.times
+        return sse(last) + SSE_DONE
 
     def body(self) -> bytes:
         state = self.state
@@ -75,6 +79,8 @@ class ChatRenderer:
         )
         if state.return_token_ids:
             completion.prompt_token_ids = state.prompt_token_ids
+        if state.perf_metrics:
+            completion.perf_metrics = state.times
         return json_encoder.encode(completion)
 
     def _choice(self, choice: ChoiceState) -> ChatChoice:

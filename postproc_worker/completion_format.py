@@ -43,9 +43,13 @@ class CompletionRenderer:
         return sse(self._completion([completion_choice]))
 
     def end_frames(self) -> bytes:
-        if not self.state.include_usage:
+        state = self.state
+        if not (state.include_usage or state.perf_metrics):
             return SSE_DONE
-        return sse(self._completion([], self.state.usage())) + SSE_DONE
+        last = self._completion([], state.usage() if state.include_usage else None)
+        if state.perf_metrics:
+            last.perf_metrics = state.times
+        return sse(last) + SSE_DONE
 
     def body(self) -> bytes:
         choices = [
@@ -62,7 +66,10 @@ class CompletionRenderer:
                 completion_choice.prompt_token_ids = self.state.prompt_token_ids
                 completion_choice.token_ids = c.token_ids
         # every sampled choice counts in the usage, best_of's unshown ones too
-        return json_encoder.encode(self._completion(choices, self.state.usage()))
+        completion = self._completion(choices, self.state.usage())
+        if self.state.perf_metrics:
+            completion.perf_metrics = self.state.times
+        return json_encoder.encode(completion)
 
     def _completion(
         self, choices: list[CompletionChoice], usage: Usage | None = None

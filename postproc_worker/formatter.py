@@ -25,6 +25,7 @@ import msgspec
 from common.openai_schema import Usage
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_token_ids
 from common.responses_schema import ResponseSettings
+from common.stage_times import StageTimes
 from common.tokenizer import Tokenizer
 from postproc_worker import (
     anthropic_format,
@@ -193,6 +194,9 @@ class RequestState:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_unbilled_prompt_tokens = options.prompt_tokens_excluded
         self.return_token_ids = options.return_token_ids
+        self.perf_metrics = options.perf_metrics  # the renderers show `times` when asked
+        # the stages the workers measured: from the first tokens, then each choice's last
+        self.times = StageTimes()
         self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
@@ -243,6 +247,8 @@ class RequestState:
             self.prompt_logprobs = delta.prompt_logprobs  # sent once, with the first token
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.times is not None:
+            self.times = delta.times
         if delta.finish_reason is not None:
             choice.engine_finished = True
         if choice.finish_reason is not None:

@@ -107,6 +107,7 @@ class PostprocWorker:
                     done=True,
                     prompt_tokens=state.billed_prompt_tokens,
                     completion_tokens=state.num_completion_tokens,
+                    times=state.times,
                 )
                 self.push.send(address, ending)
                 self.end(delta.request_id, upstream=out.abort_upstream)

@@ -3,6 +3,7 @@ official `openai` SDK: disaggregated (KV over NIXL) and aggregated."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -261,3 +262,48 @@ def test_embeddings_are_transformers_last_hidden_states(
             assert vector.shape == expected.shape
             assert torch.allclose(vector, expected, atol=1e-4), (vector - expected).abs().max()
     assert result.usage.prompt_tokens == result.usage.total_tokens > 4
+
+
+STAGES = ("queue_s", "prefill_s", "transfer_s", "first_token_s", "decode_s")
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """`name;dur=ms, ...` as {name: ms}."""
+    entries = [part.strip().split(";dur=") for part in header.split(",")]
+    return {name: float(ms) for name, ms in entries}
+
+
+def test_perf_metrics_say_where_the_time_went(cluster: Cluster) -> None:
+    """return_perf_metrics: each stage as the workers measured it (durations on each host's own
+    clock), in the body, in a stream's last chunk, and as the Server-Timing header."""
+    disaggregated = any(w.role == "context" for w in cluster.info().workers)
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+            "prompt": "perf metrics: a prompt no worker has cached yet, about rivers"}  # fmt: skip
+    response = httpx.post(
+        f"{cluster.base_url}/completions", json={**body, "return_perf_metrics": True}, timeout=60
+    )
+    metrics = response.json()["perf_metrics"]
+    assert set(metrics) == set(STAGES)
+    assert metrics["prefill_s"] > 0 and metrics["decode_s"] > 0 and metrics["queue_s"] >= 0
+    assert metrics["first_token_s"] >= metrics["prefill_s"]
+    assert (metrics["transfer_s"] > 0) == disaggregated  # the KV pull happens only then
+    timing = server_timing(response.headers["server-timing"])
+    assert set(timing) == {s.removesuffix("_s") for s in STAGES} | {"total"}
+    assert timing["prefill"] == pytest.approx(metrics["prefill_s"] * 1e3, abs=0.06)
+    assert timing["total"] >= timing["first_token"] + timing["decode"] - 1.0
+    # not asked: no field, the header all the same
+    plain = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=60)
+    assert "perf_metrics" not in plain.json() and "server-timing" in plain.headers
+    # streamed: a last chunk with no choices carries them, merged with the usage chunk
+    frames = []
+    stream = {**body, "stream": True, "return_perf_metrics": True, "prompt": ["river", "sea"],
+              "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{cluster.base_url}/completions", json=stream, timeout=60) as r:
+        frames = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    last = json.loads(frames[-2][len("data: ") :])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 16
+    assert set(last["perf_metrics"]) == set(STAGES) and last["perf_metrics"]["decode_s"] > 0
+    assert all("perf_metrics" not in json.loads(f[len("data: ") :]) for f in frames[:-2])
+    scrape = httpx.get(f"{cluster.base_url.removesuffix('/v1')}/metrics", timeout=10).text
+    assert 'pdcluster_request_stage_seconds_count{stage="transfer"}' in scrape

@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, encode_token_ids
 from common.sampling_params import SamplingParams
+from common.stage_times import StageTimes
 from common.tokenizer import Tokenizer, load_tokenizer
 from postproc_worker.formatter import RequestState, StepOutput
 from postproc_worker.openai_frames import MIN_LOGPROB
@@ -43,6 +44,7 @@ def make_state(
     include_usage: bool = False,
     skip_special_tokens: bool = True,
     min_tokens: int = 0,
+    perf_metrics: bool = False,
 ) -> RequestState:
     request = GenerateRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + "abc123",
@@ -57,6 +59,7 @@ def make_state(
             echo_prompt=PROMPT if echo else None,
             stop=list(stop),
             skip_special_tokens=skip_special_tokens,
+            perf_metrics=perf_metrics,
         ),
         reply_to="tcp://127.0.0.1:5999",
     )
@@ -402,3 +405,27 @@ def test_finish_without_tokens_and_late_deltas(tokenizer: Tokenizer) -> None:
     assert end.done and not end.abort_upstream and end.data.endswith(b"data: [DONE]\n\n")
     late = state.add(deltas(tokenizer.encode("late"))[0])
     assert late.data == b"" and late.done
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_perf_metrics_are_the_last_stage_times_received(tokenizer: Tokenizer, kind: str) -> None:
+    """The first token's delta carries the stages up to it, the last one every stage; a stop
+    string that ends the request here shows what had arrived by then."""
+    first = StageTimes(queue_s=0.01, prefill_s=0.2, first_token_s=0.3)
+    every = StageTimes(queue_s=0.01, prefill_s=0.2, transfer_s=0.05, first_token_s=0.3, decode_s=1)
+    token_ids = tokenizer.encode("one. two. three.")
+    stream = make_state(tokenizer, kind=kind, perf_metrics=True)  # type: ignore[arg-type]
+    steps = deltas(token_ids)
+    steps[0].times, steps[-1].times = first, every
+    data, _ = feed(stream, steps)
+    *chunks, last = [json.loads(p) for p in sse_payloads(data)]
+    assert last["choices"] == [] and "usage" not in last
+    assert StageTimes(**last["perf_metrics"]) == every
+    assert all("perf_metrics" not in c for c in chunks)
+    sdk_stream(data, kind)  # the official client takes the extra chunk
+    stopped = make_state(tokenizer, kind=kind, stream=False, stop=[". t"], perf_metrics=True)  # type: ignore[arg-type]
+    steps = deltas(token_ids, finish_reason=None)
+    steps[0].times = first
+    body, _ = feed(stopped, steps)
+    assert StageTimes(**json.loads(body)["perf_metrics"]) == first
+    assert stopped.times == first

@@ -212,3 +212,21 @@ def test_a_bfloat16_engine_runs_on_any_cpu(hf_greedy: list[list[int]]) -> None:
     assert len(out.outputs[0].token_ids) == MAX_NEW
     # bfloat16 rounding may change a late token, not the first ones
     assert out.outputs[0].token_ids[:4] == hf_greedy[0][:4]
+
+
+def test_outputs_say_how_long_the_sequence_waited_and_has_run() -> None:
+    """queue_s: arrival → first admission; run_s: since then. A request that waits for the
+    only slot has a queue time at least the other's whole run."""
+    llm = LLM(max_num_seqs=1, num_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.engine.add_request("first", [5, 6, 7], params)
+    llm.engine.add_request("second", [8, 9, 10], params)
+    outputs: dict[str, list] = {"first": [], "second": []}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            outputs[out.request_id].append(out)
+    first, second = outputs["first"], outputs["second"]
+    assert [o.run_s for o in first] == sorted(o.run_s for o in first) and first[0].run_s > 0
+    assert first[0].queue_s < second[0].queue_s
+    assert second[0].queue_s >= first[-1].run_s
+    assert {o.queue_s for o in second} == {second[0].queue_s}  # fixed at admission

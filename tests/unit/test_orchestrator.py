@@ -35,6 +35,7 @@ from common.protocol import (
     encode_token_ids,
 )
 from common.sampling_params import SamplingParams
+from common.stage_times import StageTimes
 from orchestrator.orchestrator import Orchestrator, Outbox, State
 from orchestrator.profile_round import ANSWER_TIMEOUT_S
 from orchestrator.registry import WorkerRecord
@@ -207,6 +208,19 @@ def test_disaggregated_request_goes_prefill_then_decode_then_ends() -> None:
     assert orch.handle(b"gen-0", finished, 0.0) == []
     assert not orch.requests
     assert orch.registry.workers["gen-0"].active_tokens == 0
+
+
+def test_the_decode_request_carries_the_time_to_first_token_and_the_lease_as_durations() -> None:
+    """The orchestrator's own clock measures receipt → first token; the context worker's
+    measures its stages and the lease: no host's instant reaches another host."""
+    orch = cluster()
+    orch.handle(FRONTEND, generate(), 100.0)
+    done = prefill_done()
+    done.times, done.lease_s = StageTimes(queue_s=0.25, prefill_s=1.0, first_token_s=1.5), 30.0
+    _, message = only(orch.handle(b"ctx-0", done, 102.0))
+    assert isinstance(message, DecodeRequest) and message.prefill is not None
+    assert message.prefill.times == StageTimes(queue_s=0.25, prefill_s=1.0, first_token_s=2.0)
+    assert message.prefill.lease_s == 30.0
 
 
 def test_first_token_that_ends_the_request_skips_the_generation_worker() -> None:

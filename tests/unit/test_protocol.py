@@ -84,3 +84,33 @@ def test_bad_base64_length_is_rejected() -> None:
 def test_malformed_or_unknown_messages_raise(data: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         decode(data)
+
+
+def test_a_response_of_several_prompts_shows_each_stages_slowest() -> None:
+    """Prompts of one request run side by side: the merged body's perf_metrics (and the
+    Server-Timing header, in milliseconds) take each stage's longest."""
+    from common.openai_schema import Completion, CompletionChoice
+    from common.stage_times import StageTimes
+    from frontend.generation import merge_bodies
+
+    a = StageTimes(queue_s=0.5, prefill_s=0.1, first_token_s=0.7, decode_s=2.0)
+    b = StageTimes(queue_s=0.1, prefill_s=0.3, first_token_s=0.5, decode_s=1.0, transfer_s=0.01)
+    bodies = [
+        msgspec.json.encode(
+            Completion(
+                id="c",
+                created=0,
+                model="m",
+                perf_metrics=t,
+                choices=[CompletionChoice(index=i, text=str(i))],
+            )
+        )  # fmt: skip
+        for i, t in enumerate([a, b])
+    ]
+    merged = msgspec.json.decode(merge_bodies(bodies), type=Completion)
+    slowest = StageTimes(queue_s=0.5, prefill_s=0.3, transfer_s=0.01, first_token_s=0.7, decode_s=2)
+    assert merged.perf_metrics == slowest and [c.text for c in merged.choices] == ["0", "1"]
+    assert slowest.server_timing(2.5) == (
+        "queue;dur=500.0, prefill;dur=300.0, transfer;dur=10.0, first_token;dur=700.0, "
+        "decode;dur=2000.0, total;dur=2500.0"
+    )
