@@ -41,6 +41,9 @@ class FrontendConfig(_Section, frozen=True):
     # Stored responses (POST /v1/responses with store: true): a SQLite file, one per host and
     # shared by its frontend processes, or redis://host:port/db for frontends on several hosts
     responses_store: str = "~/.cache/pdcluster/responses.sqlite3"
+    # Anthropic Message Batches (kept in the same store): the requests of one batch in flight at
+    # once, run by the frontend process that created it below interactive requests' priority
+    batch_concurrency: Positive = 16
 
 
 class OrchestratorConfig(_Section, frozen=True):

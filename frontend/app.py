@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -33,9 +34,19 @@ from common.protocol import (
     encode_token_ids,
 )
 from common.sampling_params import SamplingParams
-from frontend import anthropic, chat, completions, embeddings, metrics, responses
+from frontend import (
+    anthropic,
+    chat,
+    completions,
+    embeddings,
+    message_batches,
+    metrics,
+    responses,
+)
+from frontend.batch_store import BatchRecord, open_batch_store
 from frontend.cluster_client import ClusterClient
 from frontend.generation import error_response, serve
+from frontend.message_batches import BatchRunner
 from frontend.model_info import ModelInfo
 from frontend.openapi import ROUTES, openapi_document
 from frontend.profiling import profile_response
@@ -84,6 +95,10 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     max_body = config.frontend.max_body_bytes
     store = open_store(config.frontend.responses_store)
     request_timeout_s = config.frontend.request_timeout_seconds
+    batch_store = open_batch_store(config.frontend.responses_store)
+    batches = BatchRunner(
+        batch_store, client, model, config.frontend.batch_concurrency, request_timeout_s
+    )
 
     async def decode_body(request: Request, schema: type[T]) -> T:
         declared = request.headers.get("content-length")
@@ -204,6 +219,72 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         if not await off_loop(store.delete, response_id):
             raise _NotFound("no such stored response", "response_id", "response_not_found")
         return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def create_message_batch(request: Request) -> Response:
+        body = await decode_body(request, message_batches.CreateBatchRequest)
+        for item in body.requests:
+            check_model(item.params.model)
+        items = message_batches.parse_items(body)
+        batch_id = message_batches.new_batch_id()
+        await off_loop(batch_store.create, batch_id, time.time(), items)
+        batches.start(batch_id, items)
+        return await batch_answer(request, batch_id)
+
+    async def batch_record(batch_id: str) -> BatchRecord:
+        record = await off_loop(batch_store.get, batch_id)
+        if record is None:
+            raise _NotFound(f"no message batch {batch_id!r}", "batch_id", "not_found_error")
+        return record
+
+    async def batch_answer(request: Request, batch_id: str) -> Response:
+        record = await batch_record(batch_id)
+        return _json(message_batches.view(record, str(request.base_url), time.time()))
+
+    async def retrieve_message_batch(request: Request) -> Response:
+        return await batch_answer(request, request.path_params["batch_id"])
+
+    async def list_message_batches(request: Request) -> Response:
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            raise InvalidRequest("limit must be an integer from 1 to 1000", "limit")
+        records = await off_loop(
+            lambda: [r for r in map(batch_store.get, batch_store.ids()) if r is not None]
+        )
+        now, base = time.time(), str(request.base_url)
+        views = [message_batches.view(r, base, now) for r in records]
+        page = message_batches.page(
+            views, int(limit), query.get("after_id"), query.get("before_id")
+        )
+        return _json(page)
+
+    async def cancel_message_batch(request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        record = await batch_record(batch_id)
+        if record.ended_at is None:
+            await off_loop(batch_store.cancel, batch_id, time.time())
+        return await batch_answer(request, batch_id)
+
+    async def message_batch_results(request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        record = await batch_record(batch_id)
+        view = message_batches.view(record, str(request.base_url), time.time())
+        if view.processing_status != "ended":
+            raise InvalidRequest(f"message batch {batch_id!r} has not ended yet", "batch_id")
+        items = await off_loop(batch_store.params, batch_id)
+        body = message_batches.results_jsonl(record, items)
+        return Response(body, media_type="application/x-jsonl")
+
+    async def delete_message_batch(request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        record = await batch_record(batch_id)
+        view = message_batches.view(record, str(request.base_url), time.time())
+        if view.processing_status != "ended":
+            raise InvalidRequest(
+                f"message batch {batch_id!r} is still processing: cancel it first", "batch_id"
+            )
+        await off_loop(batch_store.delete, batch_id)
+        return _json({"id": batch_id, "type": "message_batch_deleted"})
 
     async def count_message_tokens(request: Request) -> Response:
         body = await decode_body(request, anthropic.CountTokensRequest)
@@ -335,6 +416,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         try:
             yield
         finally:
+            await batches.close()
             await client.close()
 
     routes = [
@@ -346,6 +428,12 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+        Route("/v1/messages/batches", create_message_batch, methods=["POST"]),
+        Route("/v1/messages/batches", list_message_batches, methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}", retrieve_message_batch, methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}", delete_message_batch, methods=["DELETE"]),
+        Route("/v1/messages/batches/{batch_id}/cancel", cancel_message_batch, methods=["POST"]),
+        Route("/v1/messages/batches/{batch_id}/results", message_batch_results, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),

@@ -59,7 +59,8 @@ def error_response(
     return Response(body, status_code, headers=headers, media_type="application/json")
 
 
-def _error_body(event: Event, media: str) -> bytes:
+def error_body_of(event: Event, media: str) -> bytes:
+    """A failure event's error body in the API's shape."""
     if isinstance(event, RequestFailed):
         if media == "anthropic":
             return anthropic_error_body(event.status_code, event.message)
@@ -72,7 +73,7 @@ def failure_response(event: Event, media: str = "openai") -> Response | None:
     if isinstance(event, RequestFailed) or event.status_code != 200:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if event.status_code in (429, 503) else None
         return Response(
-            _error_body(event, media), event.status_code, headers=headers,
+            error_body_of(event, media), event.status_code, headers=headers,
             media_type="application/json",
         )  # fmt: skip
     return None
@@ -80,7 +81,7 @@ def failure_response(event: Event, media: str = "openai") -> Response | None:
 
 def error_frame(event: Event, media: str) -> bytes:
     """A failure after the stream started: a final error event (and [DONE] for OpenAI)."""
-    body = _error_body(event, media)
+    body = error_body_of(event, media)
     if media == "anthropic":
         return b"event: error\ndata: " + body + b"\n\n"
     if media == "responses":  # the Responses API's error event: the error's fields, typed

@@ -16,6 +16,7 @@ from frontend.anthropic import CountTokensRequest, MessagesRequest
 from frontend.chat import ChatCompletionRequest
 from frontend.completions import CompletionRequest
 from frontend.embeddings import EmbeddingRequest
+from frontend.message_batches import CreateBatchRequest, MessageBatch
 from frontend.responses import ResponsesRequest
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
 
@@ -38,6 +39,15 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
         CountTokensRequest,
         None,
     ),
+    "/v1/messages/batches": (
+        "post",
+        "Create a message batch (GET lists them: limit, after_id, before_id)",
+        CreateBatchRequest,
+        MessageBatch,
+    ),
+    "/v1/messages/batches/{batch_id}": ("get", "A message batch (DELETE removes it)", None, None),
+    "/v1/messages/batches/{batch_id}/cancel": ("post", "Cancel a message batch", None, None),
+    "/v1/messages/batches/{batch_id}/results": ("get", "The results, JSONL", None, None),
     "/v1/responses": ("post", "Create a response (OpenAI Responses API)", ResponsesRequest, None),
     "/v1/responses/{response_id}": ("get", "A stored response (DELETE removes it)", None, None),
     "/v1/tokenize": ("post", "Tokenize a prompt or messages", TokenizeRequest, None),
