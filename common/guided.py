@@ -5,17 +5,25 @@ One grammar per request, whatever asked for it:
 
     response_format json_object / json_schema, guided_json → a JSON-schema grammar
     guided_regex, guided_grammar (Lark)                     → a regex / Lark grammar
-    tool_choice "required"   → one or more <tool_call>{"name": ..., "arguments": ...}</tool_call>,
-                               after the thinking the model is in, or may open
-    tool_choice named        → {"name": f, "arguments": ...}</tool_call>, after the injected
-                               "<tool_call>\\n" (the frontend appends it to the rendered prompt)
+    tool_choice "required"   → one or more calls in the tool parser's format (Hermes'
+                               <tool_call>{"name": ..., "arguments": ...}</tool_call>, Llama 3's
+                               {"name": ..., "parameters": ...}; ..., Mistral's [TOOL_CALLS][...],
+                               DeepSeek-V3's marked blocks), after the thinking the model is in,
+                               or may open
+    tool_choice named        → Hermes: {"name": f, "arguments": ...}</tool_call>, after the injected
+                               "<tool_call>\\n" (the frontend appends it to the rendered prompt);
+                               the other formats: one call of f, the whole block
 
-Tool calls use the Hermes / Qwen format the served chat template teaches the model.
+Calls take the format of the tool parser in use (`tool_parser`), the one the chat template or
+frontend/tool_prompt.py teaches the model and the postproc worker reads.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
@@ -25,17 +33,100 @@ import llguidance
 from common.errors import InvalidRequest
 from common.sampling_params import GuidedDecoding
 
-TOOL_CALL_BEGIN = "<tool_call>\n"  # what a forced call's prompt ends with
+TOOL_CALL_BEGIN = "<tool_call>\n"  # what a Hermes forced call's prompt ends with
 TOOL_CALL_END = "</tool_call>"
 
 
-def _call_tags(tags_are_tokens: bool) -> tuple[str, str]:
-    """The Lark for a call's opening and closing. Where the tokenizer has the tags as tokens
-    (Qwen's), they are written unquoted, Lark for "this token": the model emits them as one
-    token, never as their characters. Elsewhere (SmolLM2's) they are plain text."""
-    if tags_are_tokens:
-        return '<tool_call> "\\n"', '"\\n" </tool_call>'
-    return '"<tool_call>\\n"', '"\\n</tool_call>"'
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How one tool parser's format writes calls (frontend/tool_prompt.py teaches it to models
+    whose template does not, postproc_worker/parsers/tools.py reads it): what a grammar that
+    forces calls spells out. `call` is one call, with `{json}` standing for the call's object
+    (name and arguments under `arguments_key`), or `{name}` and `{arguments}` for a format
+    that writes the name outside the JSON; `markers`: the format's special tokens."""
+
+    call: str
+    begin: str = ""  # before the first call
+    separator: str = "\n"  # between calls
+    end: str = ""  # after the last
+    arguments_key: str = "arguments"
+    markers: tuple[str, ...] = ()
+
+
+_HERMES = CallFormat("<tool_call>\n{json}\n</tool_call>", markers=("<tool_call>", "</tool_call>"))
+_DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")  # fmt: skip
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": _HERMES,
+    "qwen3": _HERMES,
+    "llama3_json": CallFormat("{json}", separator="; ", arguments_key="parameters"),
+    "mistral": CallFormat(
+        "{json}", begin="[TOOL_CALLS][", separator=", ", end="]", markers=("[TOOL_CALLS]",)
+    ),
+    "deepseek_v3": CallFormat(
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
+        "<｜tool▁call▁end｜>",
+        begin="<｜tool▁calls▁begin｜>",
+        separator="",
+        end="<｜tool▁calls▁end｜>",
+        markers=_DEEPSEEK_MARKERS,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CallSyntax:
+    """A call format as the served tokenizer spells it: a marker that is one token there is
+    written in the grammar as that token (`<[id]>`), which the model emits as such, never as its
+    characters; elsewhere (SmolLM2's <tool_call>) it is plain text."""
+
+    format: CallFormat = _HERMES
+    marker_ids: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, tool_parser: str, token_id: Callable[[str], int | None]) -> CallSyntax:
+        fmt = CALL_FORMATS[tool_parser]
+        ids = ((m, token_id(m)) for m in fmt.markers)
+        return cls(fmt, tuple((m, i) for m, i in ids if i is not None))
+
+    def literal(self, text: str) -> str:
+        """Lark for `text`: its markers as tokens where they are, the rest quoted."""
+        ids = dict(self.marker_ids)
+        pieces = re.split(f"({'|'.join(map(re.escape, ids))})", text) if ids else [text]
+        return " ".join(
+            f"<[{ids[p]}]>" if p in ids else json.dumps(p, ensure_ascii=False) for p in pieces if p
+        )
+
+    def call(self, function: dict[str, Any]) -> str:
+        """Lark for one call of `function`."""
+        parameters = function.get("parameters") or {"type": "object"}
+        values = {
+            "{json}": _json_rule(tool_call_schema(function, self.format.arguments_key)),
+            "{arguments}": _json_rule(parameters),
+            "{name}": json.dumps(function["name"], ensure_ascii=False),
+        }
+        pieces = re.split(r"(\{json\}|\{arguments\}|\{name\})", self.format.call)
+        return " ".join(values[p] if p in values else self.literal(p) for p in pieces if p)
+
+    def calls_rules(self, functions: list[dict[str, Any]], parallel: bool = True) -> str:
+        """Lark rules `calls` (the format's whole block of one or more calls, one unless
+        `parallel`) and `call` (any one of `functions`)."""
+        fmt = self.format
+        more = f" ({self.literal(fmt.separator)} call)*" if parallel and fmt.separator else ""
+        if parallel and not fmt.separator:
+            more = " call*"
+        block = " ".join(
+            filter(None, [self.literal(fmt.begin), f"call{more}", self.literal(fmt.end)])
+        )
+        alternatives = " | ".join(self.call(f) for f in functions)
+        return f"calls: {block}\ncall: {alternatives}\n"
+
+
+HERMES = CallSyntax()  # the format without tokens for its tags (the default)
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    return f"%json {json.dumps({**schema, 'x-guidance': _COMPACT}, ensure_ascii=False)}"
 
 
 # JSON without free whitespace runs: a weak model would otherwise spend its tokens on blanks.
@@ -62,13 +153,13 @@ def lark(text: str) -> GuidedDecoding:
     )
 
 
-def tool_call_schema(function: dict[str, Any]) -> dict[str, Any]:
+def tool_call_schema(function: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
     """The JSON object a call of `function` is: its name, and arguments under its schema."""
     parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
@@ -87,44 +178,36 @@ _THOUGHT = {
 
 def required_tool_calls(
     functions: list[dict[str, Any]],
-    tags_are_tokens: bool = True,
+    syntax: CallSyntax = HERMES,
     parallel: bool = True,
     thinking: ThinkingMode = "off",
 ) -> GuidedDecoding:
-    """At least one call of one of the tools (exactly one unless `parallel`), each inside
-    <tool_call> tags, nothing else but the thinking before them that `thinking` allows."""
-    schema = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
-    begin, end = _call_tags(tags_are_tokens)
-    more = ' ("\\n" call)*' if parallel else ""
-    text = (
-        f"start: {_THOUGHT[thinking]}call{more}\ncall: {begin} %json {json.dumps(schema)} {end}\n"
-    )
+    """At least one call of one of the tools (exactly one unless `parallel`) in the format's
+    block, nothing else but the thinking before them that `thinking` allows."""
+    text = f"start: {_THOUGHT[thinking]}calls\n{syntax.calls_rules(functions, parallel)}"
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )
 
 
 def answer_or_tool_calls(
-    answer_schema: dict[str, Any], functions: list[dict[str, Any]], tags_are_tokens: bool = True
+    answer_schema: dict[str, Any],
+    functions: list[dict[str, Any]],
+    syntax: CallSyntax = HERMES,
 ) -> GuidedDecoding:
     """Either the answer, under its JSON schema, or one or more calls of the tools."""
-    answer = {**answer_schema, "x-guidance": _COMPACT}
-    calls = {"anyOf": [tool_call_schema(f) for f in functions], "x-guidance": _COMPACT}
-    begin, end = _call_tags(tags_are_tokens)
-    text = (
-        'start: answer | call ("\\n" call)*\n'
-        f"answer: %json {json.dumps(answer)}\n"
-        f"call: {begin} %json {json.dumps(calls)} {end}\n"
+    text = f"start: answer | calls\nanswer: {_json_rule(answer_schema)}\n" + syntax.calls_rules(
+        functions
     )
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="response_format"
     )
 
 
-def named_tool_call(function: dict[str, Any], tags_are_tokens: bool = True) -> GuidedDecoding:
-    """The rest of one call of `function` after the injected TOOL_CALL_BEGIN."""
-    schema = json.dumps({**tool_call_schema(function), "x-guidance": _COMPACT})
-    text = f"start: %json {schema} {_call_tags(tags_are_tokens)[1]}\n"
+def named_tool_call(function: dict[str, Any], syntax: CallSyntax = HERMES) -> GuidedDecoding:
+    """The rest of one Hermes call of `function` after the injected TOOL_CALL_BEGIN."""
+    end = syntax.literal("\n" + TOOL_CALL_END)
+    text = f"start: {_json_rule(tool_call_schema(function))} {end}\n"
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from common.errors import InvalidRequest
-from common.guided import ThinkingMode, check
+from common.guided import CallSyntax, ThinkingMode, check
 from common.parser_choice import reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
@@ -297,7 +297,7 @@ def to_generate_request(
     plan = plan_tools(
         tools,
         body.tool_choice,
-        tags_are_tokens=tokenizer.token_to_id("<tool_call>") is not None,
+        syntax=CallSyntax.of(model.tool_parser, tokenizer.token_to_id),
         parallel=body.parallel_tool_calls is not False,
         thinking=thinking_mode(model, rendered.template_text),
     )

@@ -5,9 +5,10 @@ prompt prefix a forced tool call needs, and what the tool parser must know.
     auto with strict tools                    → free text, calls constrained once opened
     required                                  → at least one call, constrained (thinking first,
                                                 where the model thinks)
-    named function                            → "<tool_call>\\n" appended to the rendered prompt
-                                                (both halves: the prefix AND the schema), and the
-                                                parser starts inside a call
+    named function                            → Hermes: "<tool_call>\\n" appended to the rendered
+                                                prompt (both halves: the prefix AND the schema),
+                                                and the parser starts inside a call; other
+                                                formats: one call of it, by the grammar alone
 
 A tool constraint and a response_format (or guided_*) both want the one grammar: a 400.
 """
@@ -22,6 +23,7 @@ import msgspec
 
 from common import guided
 from common.errors import InvalidRequest
+from common.guided import HERMES, CallSyntax
 from common.sampling_params import GuidedDecoding
 
 
@@ -39,7 +41,7 @@ class ToolPlan:
     stop: tuple[str, ...] = ()  # stop strings to add (the end of the one allowed call)
     # tool_choice auto: the functions, for a grammar that also lets the answer take a format
     functions: tuple[dict[str, Any], ...] = ()
-    tags_are_tokens: bool = True
+    syntax: CallSyntax = HERMES  # how calls are written (auto + format)
 
 
 def from_guided_fields(
@@ -90,12 +92,12 @@ def _response_format(response_format: ResponseFormat) -> GuidedDecoding:
 def plan_tools(
     tools: list[dict[str, Any]],
     tool_choice: str | dict[str, Any] | None,
-    tags_are_tokens: bool = True,
+    syntax: CallSyntax = HERMES,
     parallel: bool = True,
     thinking: guided.ThinkingMode = "off",
 ) -> ToolPlan:
     """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}});
-    `tags_are_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens; `parallel`
+    `syntax`: the tool parser's call format as the tokenizer spells it; `parallel`
     False (parallel_tool_calls): one call at most, by the grammar where there is one, else by
     stopping where the first call closes. `thinking`: what a required call's grammar lets the
     model do before the calls (common/guided.py)."""
@@ -105,17 +107,20 @@ def plan_tools(
             raise InvalidRequest(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
         return ToolPlan()
     if tool_choice in (None, "auto"):
-        strict = [f for f in functions if f.get("strict")]
+        # strict tools are held to their schema once a Hermes call opens; other formats'
+        # calls are parsed, not constrained (README: tool_choice required / named force them)
+        hermes = syntax.format is guided.CALL_FORMATS["hermes"]
+        strict = [f for f in functions if f.get("strict")] if hermes else []
         return ToolPlan(
             guided=guided.triggered_tool_calls(strict) if strict else None,
             parse_tools=True,
             stop=() if parallel else (guided.TOOL_CALL_END,),
             functions=tuple(functions),
-            tags_are_tokens=tags_are_tokens,
+            syntax=syntax,
         )
     if tool_choice == "required":
         return ToolPlan(
-            guided=guided.required_tool_calls(functions, tags_are_tokens, parallel, thinking),
+            guided=guided.required_tool_calls(functions, syntax, parallel, thinking),
             parse_tools=True,
         )
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
@@ -125,8 +130,11 @@ def plan_tools(
             raise InvalidRequest(
                 f"tool_choice names {name!r}, which is not in tools", "tool_choice"
             )
+        if syntax.format is not guided.CALL_FORMATS["hermes"]:
+            call = guided.required_tool_calls(chosen, syntax, parallel=False, thinking=thinking)
+            return ToolPlan(guided=call, parse_tools=True)
         return ToolPlan(
-            guided=guided.named_tool_call(chosen[0], tags_are_tokens),
+            guided=guided.named_tool_call(chosen[0], syntax),
             prompt_prefix=guided.TOOL_CALL_BEGIN,
             parse_tools=True,
             in_tool_call=True,
@@ -164,9 +172,7 @@ def combine(
     if tool_plan.guided is not None and tool_plan.guided.source == "tool_choice":
         return tool_plan.guided
     if tool_plan.parse_tools and other is not None and schema is not None:
-        return guided.answer_or_tool_calls(
-            schema, list(tool_plan.functions), tool_plan.tags_are_tokens
-        )
+        return guided.answer_or_tool_calls(schema, list(tool_plan.functions), tool_plan.syntax)
     if tool_plan.guided is not None and other is not None:
         raise InvalidRequest(
             f"{other.source} cannot be combined with tool_choice {tool_plan.guided.source!r}: "

@@ -367,3 +367,26 @@ def test_required_calls_let_a_thinking_model_finish_its_thought(oai, cluster: Cl
     assert choice.logprobs.content[0].token == "</think>"
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, {"get_weather"})
+
+
+@pytest.mark.parametrize("tool_parser", ["llama3_json", "mistral", "deepseek_v3"])
+def test_forced_calls_take_the_format_of_the_tool_parser_in_use(
+    start_cluster, tool_parser: str
+) -> None:
+    """A model served with another tool parser is forced into that parser's format (not
+    Hermes' tags), so the calls come back parsed: required and named. (One call each: the
+    tiny model's random weights would go on adding parallel calls until max_tokens; the
+    grammar's parallel calls are checked in tests/unit/test_guided.py.)"""
+    served = start_cluster("aggregated", extra=f"tool_parser: {tool_parser}")
+    client = openai.OpenAI(base_url=served.base_url, api_key="unused", timeout=120, max_retries=0)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in (1, 2):
+        required = chat(client, seed=seed, tools=[WEATHER, TIME], tool_choice="required",
+                        parallel_tool_calls=False, extra_body=NO_THINKING)  # fmt: skip
+        assert required.choices[0].finish_reason == "tool_calls", required
+        check_calls(required.choices[0].message.tool_calls, {"get_weather", "get_time"})
+        one = chat(client, seed=seed, tools=[WEATHER, TIME], tool_choice=named,
+                   extra_body=NO_THINKING)  # fmt: skip
+        assert one.choices[0].finish_reason == "tool_calls", one
+        check_calls(one.choices[0].message.tool_calls, {"get_time"})
+        assert len(one.choices[0].message.tool_calls) == 1

@@ -37,6 +37,8 @@ WEATHER = {
     },
 }
 
+TIME = {**WEATHER, "name": "get_time"}
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path: Path) -> LLM:
@@ -63,7 +65,8 @@ def test_regex_output_matches(llm: LLM) -> None:
 
 
 def test_required_tool_calls_parse(llm: LLM) -> None:
-    spec = guided.required_tool_calls([WEATHER])
+    syntax = guided.CallSyntax.of("hermes", llm.tokenizer.get_vocab().get)
+    spec = guided.required_tool_calls([WEATHER], syntax)
     for seed in range(5):
         text = generate(llm, spec, seed, max_tokens=128).text
         calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, flags=re.S)
@@ -151,13 +154,14 @@ def test_forced_calls_use_text_tags_where_the_tokenizer_has_no_tag_tokens(
         matcher = llguidance.LLMatcher(ll, spec.grammar)
         return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
 
+    syntax = guided.CallSyntax.of("hermes", tokenizer.token_to_id)
     for parallel in (True, False):
-        spec = guided.required_tool_calls([WEATHER], tags_are_tokens=False, parallel=parallel)
+        spec = guided.required_tool_calls([WEATHER], syntax, parallel=parallel)
         guided.check(spec, ll)
         assert accepts(spec, call)
         assert accepts(spec, call + "\n" + call) == parallel
         assert not accepts(spec, call.replace("get_weather", "get_time"))
-    named = guided.named_tool_call(WEATHER, tags_are_tokens=False)
+    named = guided.named_tool_call(WEATHER, syntax)
     assert accepts(named, call.removeprefix(guided.TOOL_CALL_BEGIN))
 
 
@@ -172,7 +176,9 @@ def test_an_answer_format_beside_tools_allows_the_answer_or_calls(tiny_model_pat
     ll = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
     schema = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
               "additionalProperties": False}  # fmt: skip
-    spec = guided.answer_or_tool_calls(schema, [WEATHER], tags_are_tokens=True)
+    syntax = guided.CallSyntax.of("hermes", tokenizer.token_to_id)
+    assert syntax.marker_ids  # the tiny tokenizer has <tool_call> and </tool_call> as tokens
+    spec = guided.answer_or_tool_calls(schema, [WEATHER], syntax)
     guided.check(spec, ll)
 
     def accepts(text: str) -> bool:
@@ -231,9 +237,74 @@ def test_required_calls_let_a_thinking_model_think_first(
         "think, no call": "<think>\nhm\n</think>\n\nIt rains.",
         "text": "It rains.",
     }
-    spec = guided.required_tool_calls([WEATHER], thinking=thinking)  # type: ignore[arg-type]
+    syntax = guided.CallSyntax.of("hermes", tokenizer.token_to_id)
+    spec = guided.required_tool_calls([WEATHER], syntax, thinking=thinking)  # type: ignore[arg-type]
     guided.check(spec, ll)
     for name, text in texts.items():
         matcher = llguidance.LLMatcher(ll, spec.grammar)
         ok = matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
         assert ok == (name in accepted), name
+
+
+# One call of get_weather in each tool parser's format, as a forced call's grammar (compact JSON)
+# writes it, and what separates two calls.
+FORMATS = {
+    "hermes": ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>',
+               "{call}\n{call}"),
+    "llama3_json": ('{"name":"get_weather","parameters":{"city":"Oslo"}}', "{call}; {call}"),
+    "mistral": ('[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Oslo"}}]',
+                '[TOOL_CALLS][{{"name":"get_weather","arguments":{{"city":"Oslo"}}}}, '
+                '{{"name":"get_weather","arguments":{{"city":"Oslo"}}}}]'),
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city":"Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "<｜tool▁calls▁begin｜>{one}{one}<｜tool▁calls▁end｜>",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool_parser", sorted(FORMATS))
+def test_forced_calls_take_the_tool_parsers_format_and_parse_back(
+    tiny_model_path: Path, tool_parser: str
+) -> None:
+    """tool_choice required / named in the format of the parser in use: the grammar takes one
+    call (two when parallel) in that format and nothing else, and the postproc worker's parser
+    of the same format reads the forced text back as the call."""
+    import llguidance
+
+    from common.tokenizer import load_tokenizer
+    from frontend.structured import plan_tools
+    from postproc_worker.parsers.tools import TOOL_PARSERS, ToolCallArguments, ToolCallStart
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    ll = guided.ll_tokenizer(tiny_model_path, 4096, (4072,))
+    syntax = guided.CallSyntax.of(tool_parser, tokenizer.token_to_id)
+    one, two_pattern = FORMATS[tool_parser]
+    if tool_parser == "deepseek_v3":
+        inner = one.removeprefix("<｜tool▁calls▁begin｜>").removesuffix("<｜tool▁calls▁end｜>")
+        two = two_pattern.format(one=inner)
+    else:
+        two = two_pattern.format(call=one)
+
+    def accepts(spec: object, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, spec.grammar)  # type: ignore[attr-defined]
+        return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
+
+    tools = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        plan = plan_tools(tools, choice, syntax, parallel=False)
+        guided.check(plan.guided, ll)  # type: ignore[arg-type]
+        prompt_prefix = plan.prompt_prefix
+        assert accepts(plan.guided, one.removeprefix(prompt_prefix))
+        assert not accepts(plan.guided, two.removeprefix(prompt_prefix))
+        assert not accepts(plan.guided, "Sunny in Oslo.")
+        assert not accepts(plan.guided, one.replace("Oslo", "O").replace("city", "town"))
+    parallel = plan_tools(tools, "required", syntax).guided
+    assert accepts(parallel, two) and accepts(parallel, one.replace("get_weather", "get_time"))
+    parser = TOOL_PARSERS[tool_parser]()
+    events = [*parser.feed(two), *parser.finish()]
+    starts = [e.name for e in events if isinstance(e, ToolCallStart)]
+    arguments = "".join(e.text for e in events if isinstance(e, ToolCallArguments))
+    assert starts == ["get_weather", "get_weather"]
+    assert arguments.replace(" ", "") == '{"city":"Oslo"}' * 2
+    assert "".join(e for e in events if isinstance(e, str)).strip() == ""
