@@ -278,6 +278,18 @@ def read_bandwidth_gb_s() -> float:
     return best
 
 
+def cpu_features() -> dict:
+    """What decides both servers' kernels: AVX-512 (vLLM's AVX512 build, oneDNN's bfloat16) or
+    AVX2 only; results from different hosts do not compare."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    first = lines[: lines.index("")] if "" in lines else lines  # the first CPU's block
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first)}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", ""), "avx512": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags}  # fmt: skip
+
+
 def weight_bytes(model_dir: Path) -> int:
     """What one decode step reads: every weight once (a tied LM head is the embedding, read once
     as the head; the embedding lookup reads a row per token)."""
@@ -306,7 +318,7 @@ def main() -> None:
     bin_dir = ensure_vllm()
     bandwidth = read_bandwidth_gb_s()
     result: dict = {
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), **cpu_features(),
                  "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION},
         "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
                      "load_generator": "vllm bench serve", "repeats": args.repeats},

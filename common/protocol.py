@@ -74,7 +74,6 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     echo_prompt: str | None = None  # completion echo: the prompt text to prepend
     stop: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
-    prompt_token_ids_b64: str = ""  # for echo / logprobs of the prompt and usage
     echo_only: bool = False  # max_tokens 0 with echo: the one token sampled is not output
     # best_of > n: the engine samples best_of choices (with log-probs, to rank them); the answer
     # holds the `keep_best` with the highest cumulative log-prob, and `output_logprobs` (the

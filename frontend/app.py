@@ -516,7 +516,7 @@ def _probe_request(model: ModelInfo, reply_to: str) -> GenerateRequest:
         request_id=completions.new_request_id("health"),
         prompt_token_ids_b64=prompt_b64,
         sampling=SamplingParams(max_tokens=1, temperature=0.0),
-        output=OutputOptions(model=model.name, prompt_token_ids_b64=prompt_b64),
+        output=OutputOptions(model=model.name),
         reply_to=reply_to,
     )
 

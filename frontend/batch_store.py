@@ -68,6 +68,9 @@ class BatchStore(Protocol):
     def cancel(self, batch_id: str, at: float) -> None:
         """Record a cancellation request (once; later ones change nothing)."""
 
+    def cancel_requested(self, batch_id: str) -> bool:
+        """Whether a cancel was asked for (or the batch is gone): what its runner polls."""
+
     def end(self, batch_id: str, at: float) -> None: ...
 
     def delete(self, batch_id: str) -> None: ...
@@ -152,6 +155,13 @@ class SqliteBatchStore:
                 (at, batch_id),
             )
 
+    def cancel_requested(self, batch_id: str) -> bool:
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "SELECT cancel_initiated_at FROM message_batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+        return row is None or row[0] is not None
+
     def end(self, batch_id: str, at: float) -> None:
         with closing(self._connect()) as db, db:
             db.execute("UPDATE message_batches SET ended_at = ? WHERE id = ?", (at, batch_id))
@@ -207,6 +217,11 @@ class RedisBatchStore:
 
     def cancel(self, batch_id: str, at: float) -> None:
         self.client.hsetnx(REDIS_PREFIX + batch_id, "cancel_initiated_at", at)
+
+    def cancel_requested(self, batch_id: str) -> bool:
+        key = REDIS_PREFIX + batch_id
+        created, canceled = self.client.hmget(key, ["created_at", "cancel_initiated_at"])
+        return created is None or canceled is not None
 
     def end(self, batch_id: str, at: float) -> None:
         self.client.hset(REDIS_PREFIX + batch_id, "ended_at", at)

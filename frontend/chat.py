@@ -349,7 +349,6 @@ def to_generate_request(
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         stop=sampling.stop,
         skip_special_tokens=body.skip_special_tokens,
-        prompt_token_ids_b64=prompt_b64,
         parser_state=parser_state(model, rendered, plan),
         prompt_tokens_excluded=max(0, excluded),
         return_token_ids=body.return_token_ids,

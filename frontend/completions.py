@@ -205,7 +205,6 @@ def to_generate_requests(
             index_offset=i * body.n,
             stop=stops,
             skip_special_tokens=body.skip_special_tokens,
-            prompt_token_ids_b64=prompt_b64,
             return_token_ids=body.return_token_ids,
             perf_metrics=body.return_perf_metrics,
         )

@@ -209,20 +209,20 @@ class BatchRunner:
     async def _run(self, batch_id: str, items: list[tuple[str, bytes]]) -> None:
         canceled = asyncio.Event()
         watcher = asyncio.create_task(self._watch_cancel(batch_id, canceled))
-        slots = asyncio.Semaphore(self.concurrency)
+        pending = iter(enumerate(items))  # shared by the workers: each request taken once
 
-        async def one(position: int, custom_id: str, params: bytes) -> None:
-            async with slots:
+        async def worker() -> None:
+            for position, (custom_id, params) in pending:
                 result: dict[str, object] = (
                     {"type": "canceled"}
                     if canceled.is_set()
                     else await self._answer(params, canceled)
                 )
-            line = msgspec.json.encode(_line(custom_id, result))
-            await asyncio.to_thread(self.store.put_result, batch_id, position, line)
+                line = msgspec.json.encode(_line(custom_id, result))
+                await asyncio.to_thread(self.store.put_result, batch_id, position, line)
 
         try:
-            await asyncio.gather(*(one(i, c, p) for i, (c, p) in enumerate(items)))
+            await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(items)))))
             await asyncio.to_thread(self.store.end, batch_id, time.time())
         except Exception:
             logger.exception("%s: the batch's runner failed; it ends at its expiry", batch_id)
@@ -232,8 +232,7 @@ class BatchRunner:
     async def _watch_cancel(self, batch_id: str, canceled: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(CANCEL_POLL_S)
-            record = await asyncio.to_thread(self.store.get, batch_id)
-            if record is None or record.cancel_initiated_at is not None:
+            if await asyncio.to_thread(self.store.cancel_requested, batch_id):
                 canceled.set()
                 return
 

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.harness import MODEL, Cluster
+from tests.integration.harness import MODEL, Cluster, stop
 
 SCHEMA = {
     "type": "object",
@@ -378,6 +378,14 @@ def test_forced_calls_take_the_format_of_the_tool_parser_in_use(
     tiny model's random weights would go on adding parallel calls until max_tokens; the
     grammar's parallel calls are checked in tests/unit/test_guided.py.)"""
     served = start_cluster("aggregated", extra=f"tool_parser: {tool_parser}")
+    pids = [w.pid for w in served.info().workers]
+    try:
+        check_forced_calls(served)
+    finally:
+        stop(served, pids)  # now, not with the module: one such cluster at a time
+
+
+def check_forced_calls(served: Cluster) -> None:
     client = openai.OpenAI(base_url=served.base_url, api_key="unused", timeout=120, max_retries=0)
     named = {"type": "function", "function": {"name": "get_time"}}
     for seed in (1, 2):

@@ -43,7 +43,9 @@ def test_a_batch_is_stored_with_its_requests_results_and_instants(store: BatchSt
     assert store.ids() == ["msgbatch_2", "msgbatch_1"]
     assert store.params("msgbatch_1") == items
     store.put_result("msgbatch_1", 1, CANCELED)
+    assert not store.cancel_requested("msgbatch_1")
     store.cancel("msgbatch_1", 150.0)
+    assert store.cancel_requested("msgbatch_1") and store.cancel_requested("msgbatch_9")
     store.cancel("msgbatch_1", 160.0)  # the first request counts
     store.end("msgbatch_1", 170.0)
     assert store.get("msgbatch_1") == BatchRecord(
