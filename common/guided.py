@@ -99,10 +99,9 @@ class CallSyntax:
 
     def call(self, function: dict[str, Any]) -> str:
         """Lark for one call of `function`."""
-        parameters = function.get("parameters") or {"type": "object"}
         values = {
             "{json}": _json_rule(tool_call_schema(function, self.format.arguments_key)),
-            "{arguments}": _json_rule(parameters),
+            "{arguments}": _json_rule(_parameters(function)),
             "{name}": json.dumps(function["name"], ensure_ascii=False),
         }
         pieces = re.split(r"(\{json\}|\{arguments\}|\{name\})", self.format.call)
@@ -112,9 +111,7 @@ class CallSyntax:
         """Lark rules `calls` (the format's whole block of one or more calls, one unless
         `parallel`) and `call` (any one of `functions`)."""
         fmt = self.format
-        more = f" ({self.literal(fmt.separator)} call)*" if parallel and fmt.separator else ""
-        if parallel and not fmt.separator:
-            more = " call*"
+        more = f" ({self.literal(fmt.separator)} call)*" if parallel else ""  # "( call)*": none
         block = " ".join(
             filter(None, [self.literal(fmt.begin), f"call{more}", self.literal(fmt.end)])
         )
@@ -123,6 +120,11 @@ class CallSyntax:
 
 
 HERMES = CallSyntax()  # the format without tokens for its tags (the default)
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a function's arguments (none given: any object)."""
+    return function.get("parameters") or {"type": "object"}
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
@@ -155,10 +157,9 @@ def lark(text: str) -> GuidedDecoding:
 
 def tool_call_schema(function: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
     """The JSON object a call of `function` is: its name, and arguments under its schema."""
-    parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+        "properties": {"name": {"const": function["name"]}, arguments_key: _parameters(function)},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }

@@ -264,9 +264,8 @@ class PrefillDone(_Message, tag="prefill_done"):
     # context and generation workers' clocks need not agree (the reader counts it from receipt,
     # the orchestrator forwards at once). 0: nothing leased.
     lease_s: float = 0.0
-    times: StageTimes = msgspec.field(
-        default_factory=StageTimes
-    )  # the stages up to the first token
+    # the stages up to the first token
+    times: StageTimes = msgspec.field(default_factory=StageTimes)
 
     @property
     def finished(self) -> bool:

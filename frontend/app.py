@@ -261,15 +261,14 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     async def cancel_message_batch(request: Request) -> Response:
         batch_id = request.path_params["batch_id"]
         record = await batch_record(batch_id)
-        if record.ended_at is None:
+        if message_batches.ended_at_of(record, time.time()) is None:
             await off_loop(batch_store.cancel, batch_id, time.time())
         return await batch_answer(request, batch_id)
 
     async def message_batch_results(request: Request) -> Response:
         batch_id = request.path_params["batch_id"]
         record = await batch_record(batch_id)
-        view = message_batches.view(record, str(request.base_url), time.time())
-        if view.processing_status != "ended":
+        if message_batches.ended_at_of(record, time.time()) is None:
             raise InvalidRequest(f"message batch {batch_id!r} has not ended yet", "batch_id")
         items = await off_loop(batch_store.params, batch_id)
         body = message_batches.results_jsonl(record, items)
@@ -278,8 +277,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     async def delete_message_batch(request: Request) -> Response:
         batch_id = request.path_params["batch_id"]
         record = await batch_record(batch_id)
-        view = message_batches.view(record, str(request.base_url), time.time())
-        if view.processing_status != "ended":
+        if message_batches.ended_at_of(record, time.time()) is None:
             raise InvalidRequest(
                 f"message batch {batch_id!r} is still processing: cancel it first", "batch_id"
             )

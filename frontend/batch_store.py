@@ -18,10 +18,11 @@ import json
 import sqlite3
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import redis
+
+from frontend.response_store import connect_sqlite, prepare_sqlite
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS message_batches (
@@ -84,15 +85,10 @@ def open_batch_store(location: str) -> BatchStore:
 
 class SqliteBatchStore:
     def __init__(self, path: str) -> None:
-        self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
-            db.execute("PRAGMA journal_mode=WAL")
-            for statement in _SCHEMA:
-                db.execute(statement)
+        self.path = prepare_sqlite(path, _SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=10)
+        return connect_sqlite(self.path)
 
     def create(self, batch_id: str, created_at: float, items: list[tuple[str, bytes]]) -> None:
         with closing(self._connect()) as db, db:

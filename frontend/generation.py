@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import msgspec
@@ -134,7 +134,7 @@ async def serve(
         merge = merge_embedding_bodies if generates[0].output.kind == "embedding" else merge_bodies
         body = bodies[0] if len(bodies) == 1 else merge(bodies)
         prompt, completion = _usage(chunks)
-        times = _slowest([c.times for c in chunks if c.times is not None])
+        times = _slowest([c.times for c in chunks])
         metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False, times=times)
         headers = {"Server-Timing": times.server_timing(ttft_s)} if times is not None else None
         return Response(body, media_type="application/json", headers=headers)
@@ -220,7 +220,7 @@ async def _relay(
             yield merge_stream_endings(finals)
         prompt, completion = _usage(endings)
         e2e_s = time.perf_counter() - started
-        times = _slowest([c.times for c in endings if c.times is not None])
+        times = _slowest([c.times for c in endings])
         metrics.observe_generation(ttft_s, e2e_s, prompt, completion, streamed=True, times=times)
     finally:
         for task in pumps:
@@ -247,7 +247,7 @@ def _usage(endings: list[Chunk]) -> tuple[int, int]:
     return sum(c.prompt_tokens for c in endings), sum(c.completion_tokens for c in endings)
 
 
-def _slowest(times: list[StageTimes] | list[StageTimes | UnsetType]) -> StageTimes | None:
+def _slowest(times: Iterable[StageTimes | UnsetType | None]) -> StageTimes | None:
     """Several prompts' stage times as one response's: each stage's longest (they run side by
     side); None when there are none."""
     measured = [t for t in times if isinstance(t, StageTimes)]

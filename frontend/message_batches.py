@@ -119,9 +119,9 @@ def view(record: BatchRecord, base_url: str, now: float) -> MessageBatch:
         kind = "processing" if result is None else msgspec.json.decode(result)["result"]["type"]
         setattr(counts, kind, getattr(counts, kind) + 1)
     expires_at = record.created_at + EXPIRY_S
-    ended_at = record.ended_at
-    if ended_at is None and now >= expires_at:
-        ended_at, counts.expired, counts.processing = expires_at, counts.processing, 0
+    ended_at = ended_at_of(record, now)
+    if record.ended_at is None and ended_at is not None:  # expired
+        counts.expired, counts.processing = counts.processing, 0
     if ended_at is not None:
         status: Literal["in_progress", "canceling", "ended"] = "ended"
     else:
@@ -138,6 +138,14 @@ def view(record: BatchRecord, base_url: str, now: float) -> MessageBatch:
         ),
         results_url=f"{base_url}v1/messages/batches/{record.id}/results" if ended_at else None,
     )
+
+
+def ended_at_of(record: BatchRecord, now: float) -> float | None:
+    """When the batch ended: by itself, or, its runner gone, at its expiry; None: running."""
+    expires_at = record.created_at + EXPIRY_S
+    if record.ended_at is None and now >= expires_at:
+        return expires_at
+    return record.ended_at
 
 
 def results_jsonl(record: BatchRecord, items: list[tuple[str, bytes]]) -> bytes:

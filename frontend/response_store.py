@@ -74,16 +74,29 @@ def conversation(body: bytes, turns: Turns) -> tuple[str, str]:
     return response.id, json.dumps([*turns, turn])
 
 
+def prepare_sqlite(path: str, schema: tuple[str, ...]) -> Path:
+    """The store's file, created with its tables if new, in WAL mode (the host's frontend
+    processes read and write it at once). The stored responses and the message batches share
+    one file."""
+    file = Path(path).expanduser()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with closing(connect_sqlite(file)) as db, db:
+        db.execute("PRAGMA journal_mode=WAL")
+        for statement in schema:
+            db.execute(statement)
+    return file
+
+
+def connect_sqlite(file: Path) -> sqlite3.Connection:
+    return sqlite3.connect(file, timeout=10)
+
+
 class SqliteStore:
     def __init__(self, path: str) -> None:
-        self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_SCHEMA)
+        self.path = prepare_sqlite(path, (_SCHEMA,))
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=10)
+        return connect_sqlite(self.path)
 
     def put(self, body: bytes, turns: Turns) -> None:
         response_id, turns_json = conversation(body, turns)

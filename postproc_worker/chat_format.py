@@ -19,8 +19,8 @@ from common.openai_schema import (
     Usage,
 )
 from postproc_worker.openai_frames import (
-    SSE_DONE,
     chunk_usage,
+    end_of_stream,
     finite,
     json_encoder,
     sse,
@@ -60,13 +60,7 @@ class ChatRenderer:
         return frames + sse(self._chunk([chat_choice]))
 
     def end_frames(self) -> bytes:
-        state = self.state
-        if not (state.include_usage or state.perf_metrics):
-            return SSE_DONE
-        last = self._chunk([], state.usage() if state.include_usage else None)
-        if state.perf_metrics:
-            last.perf_metrics = state.times
-        return sse(last) + SSE_DONE
+        return end_of_stream(self.state, lambda usage: self._chunk([], usage))
 
     def body(self) -> bytes:
         state = self.state

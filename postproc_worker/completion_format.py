@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from common.openai_schema import Completion, CompletionChoice, CompletionLogprobs, Usage
 from postproc_worker.openai_frames import (
-    SSE_DONE,
     chunk_usage,
+    end_of_stream,
     finite,
     json_encoder,
     sse,
@@ -43,13 +43,7 @@ class CompletionRenderer:
         return sse(self._completion([completion_choice]))
 
     def end_frames(self) -> bytes:
-        state = self.state
-        if not (state.include_usage or state.perf_metrics):
-            return SSE_DONE
-        last = self._completion([], state.usage() if state.include_usage else None)
-        if state.perf_metrics:
-            last.perf_metrics = state.times
-        return sse(last) + SSE_DONE
+        return end_of_stream(self.state, lambda usage: self._completion([], usage))
 
     def body(self) -> bytes:
         choices = [
