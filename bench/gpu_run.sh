@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (under 10 minutes on one H200): the Triton kernel tests on the GPU, the
-# kernel benchmark, and the serving benchmark with --device cuda on the tiny model. Results (JSON
-# and logs) go to $OUT, else bench/results/gpu/. On the device machine, after bench/gpu_wheels.sh
+# The GPU checks in one run (under 10 minutes on one H200): the Triton kernel tests and the
+# engine's greedy parity on the GPU, the kernel benchmark, and the serving benchmark with --device
+# cuda on the tiny model. Results (JSON and logs) go to $OUT, else bench/results/gpu/. On the device machine, after bench/gpu_wheels.sh
 # here: run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +21,13 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
     | tee -a "$out/gpu.txt"
 status=0
 timeout 120 python3 -m orchestrator.cli tiny-model 2>&1 | tail -2 || status=1
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py \
+    tests/unit/test_llm_engine.py::test_greedy_on_the_gpu_matches_hf_on_the_cpu 2>&1 \
     | tee "$out/kernel-tests.log" | tail -3 || status=1
 timeout 120 python3 -m bench.kernels --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || status=1
 tail -5 "$out/kernels.log"
 timeout 300 python3 -m bench.serving --device cuda --repeats 1 --no-profile \
     --out "$out/serving.json" >"$out/serving.log" 2>&1 || status=1
 tail -30 "$out/serving.log"
+cp /tmp/pdcluster-bench-*/cluster-*.log "$out/" 2>/dev/null  # why a cluster did not start
 exit $status

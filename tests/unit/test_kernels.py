@@ -62,8 +62,9 @@ def _naive_attention(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
+    q, k, v = q.cpu(), cache.k.cpu(), cache.v.cpu()  # the loop runs on the CPU, in float64
     num_heads, head_dim = q.shape
-    num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
+    num_kv_heads, block_size = k.shape[2], k.shape[1]
     out = torch.zeros(num_heads, head_dim, dtype=torch.float64)
     for h in range(num_heads):
         kv_head = h // (num_heads // num_kv_heads)
@@ -72,10 +73,10 @@ def _naive_attention(
             if sliding_window is not None and p <= pos - sliding_window:
                 continue
             block = int(cache.block_tables[seq, p // block_size])
-            key = cache.k[block, p % block_size, kv_head].double()
+            key = k[block, p % block_size, kv_head].double()
             s = float(q[h].double() @ key) * scale
             scores.append(soft_cap * math.tanh(s / soft_cap) if soft_cap else s)
-            values.append(cache.v[block, p % block_size, kv_head].double())
+            values.append(v[block, p % block_size, kv_head].double())
         top = max(scores)
         weights = [math.exp(s - top) for s in scores]
         for w, value in zip(weights, values, strict=True):
