@@ -40,7 +40,7 @@ from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 Role = Literal["context", "generation", "postproc", "frontend"]
 
@@ -240,6 +240,9 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: bytes | None = None  # SamplingParams.embed: the pooled vector, float32 LE
     # On a choice's first token, the stages up to it; on its last, every stage
     times: StageTimes | None = None
+    # A beam search's prompt, prefilled by a context worker (no token): its best continuations,
+    # (token id, log-prob), from which the generation worker starts the beams
+    beam_candidates: list[tuple[int, float]] | None = None
 
 
 class PrefillRequest(_Message, tag="prefill"):

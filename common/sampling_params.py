@@ -7,12 +7,16 @@ things.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from common.errors import InvalidRequest
 
 MAX_LOGPROBS = 20  # same ceiling as OpenAI's top_logprobs
 MAX_N = 128  # choices per request: more would let one request flood a worker's batch
+MAX_BEAM_WIDTH = 16  # every beam is a sequence in the batch, each step
+MAX_LENGTH_PENALTY = 10.0  # length ** penalty stays a finite, non-zero float at any length
 
 
 class GuidedDecoding(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +37,19 @@ class ThinkingBudget(msgspec.Struct, frozen=True, kw_only=True):
     start: list[int]  # the start marker's token ids
     end: list[int]  # the end marker's token ids: what is forced
     open_at_start: bool = False
+
+
+class BeamSearch(msgspec.Struct, frozen=True, kw_only=True):
+    """Deterministic beam search, as transformers' `generate(num_beams=width)`: `width` beams
+    kept, ranked by cumulative log-prob; a finished hypothesis scores
+    sum_logprobs / generated_len ** length_penalty. `early_stopping`: True stops once `width`
+    hypotheses are done; False stops when the best live beam, at its current length, cannot beat
+    the worst done one; "never" (with length_penalty > 0) judges that at max_tokens instead.
+    The request's n best hypotheses are its choices."""
+
+    width: int
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -62,6 +79,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # prompt, and the one token sampled with it is not output.
     embed: bool = False
     thinking_budget: ThinkingBudget | None = None
+    beam: BeamSearch | None = None
 
     @property
     def greedy(self) -> bool:
@@ -111,8 +129,37 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(self.guided is None, "thinking_token_budget",
                    "cannot be combined with a grammar (response_format, guided_*, a forced "
                    "tool call): the forced end of thinking would break it")  # fmt: skip
+        if self.beam is not None:
+            self._validate_beam(self.beam)
         for value in (self.logit_bias or {}).values():
             _check(-100.0 <= value <= 100.0, "logit_bias", f"bias {value} is outside [-100, 100]")
+
+    def _validate_beam(self, beam: BeamSearch) -> None:
+        """Beam search ranks the model's own log-probs: the fields that reshape or sample the
+        distribution, or constrain it token by token, have no meaning there and are refused."""
+        _check(1 <= beam.width <= MAX_BEAM_WIDTH, "best_of",
+               f"(the beam width) must be in [1, {MAX_BEAM_WIDTH}], got {beam.width}")  # fmt: skip
+        _check(-MAX_LENGTH_PENALTY <= beam.length_penalty <= MAX_LENGTH_PENALTY, "length_penalty",
+               f"must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")  # fmt: skip
+        _check(self.n <= beam.width, "n",
+               f"({self.n}) must not exceed the beam width ({beam.width})")  # fmt: skip
+        refused = {
+            "top_p": self.top_p != 1.0,
+            "top_k": self.top_k > 0,
+            "min_p": self.min_p != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "seed": self.seed is not None,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "response_format": self.guided is not None,
+            "thinking_token_budget": self.thinking_budget is not None,
+            "embed": self.embed,
+        }
+        for param, set_ in refused.items():
+            _check(not set_, param, "cannot be combined with use_beam_search")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

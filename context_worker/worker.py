@@ -156,7 +156,8 @@ class ContextWorker:
                 continue
             first = self.first_tokens.setdefault(out.request_id, [])
             first.append(to_delta(out))
-            if len(first) == prefill.request.sampling.n:
+            sampling = prefill.request.sampling
+            if len(first) == (1 if sampling.beam else sampling.n):  # a beam search: its offer
                 times = StageTimes(
                     queue_s=out.queue_s,
                     prefill_s=out.run_s,

@@ -3,7 +3,8 @@
 The scheduler asks three things: how much of a new prompt is already cached (`get_computed_blocks`),
 whether a step's tokens fit (`allocate_slots`, False means "preempt someone"), and, after the model
 wrote KV, to publish the newly full blocks (`cache_blocks`). Parallel samples (n > 1) and repeated
-prompts share blocks through the prefix cache, so there is no fork or copy-on-write here.
+prompts share blocks through the prefix cache; beams fork (`fork`: full blocks shared, the
+partial last one copied).
 
 Block table of one sequence (block_size 4, 10 tokens, KV written for 9):
 
@@ -151,6 +152,20 @@ class KVCacheManager:
             self.pool.cache_block(seq.block_ids[i], block_hash, parent, block)
             seq.block_hashes.append(block_hash)
             parent = block_hash
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """A beam's child: it shares the parent's full blocks of its first `num_tokens` tokens
+        (a ref each) and gets its own copy of the partial last one, which it will write into.
+        Returns (parent's block, child's block) for the caller to copy the KV, or None when the
+        blocks are shared whole; raises NoFreeBlocksError (changing nothing) when no block is
+        free for the copy."""
+        parent = self._seqs[parent_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        shared = parent.block_ids[:num_full]
+        copy = self.pool.allocate(1) if partial else []
+        self.pool.touch(shared)
+        self._seqs[child_id] = _SeqBlocks(shared + copy, parent.block_hashes[:num_full])
+        return (parent.block_ids[num_full], copy[0]) if copy else None
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks (tail first, see BlockPool.free); ignores unknown ids."""

@@ -5,6 +5,8 @@ Workers drive it directly (add_request / step / abort); `engine.llm.LLM` wraps i
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -14,6 +16,8 @@ import torch
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
+from engine.beam_search import BeamGroup
+from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineConfig
 from engine.guided import GrammarCompiler
 from engine.kernels import cpu_kernels
@@ -47,6 +51,9 @@ class TokenOutput:
     embedding: bytes | None = None  # SamplingParams.embed: little-endian float32 values
     queue_s: float = 0.0  # the sequence's wait before it first ran here
     run_s: float = 0.0  # since it first ran here: its first output's is its prefill
+    # A prefill-only beam search's prompt (token_id -1): the first step's best continuations,
+    # (token id, log-prob), for the reader to start its beams from
+    beam_candidates: list[tuple[int, float]] | None = None
 
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
@@ -109,7 +116,7 @@ class LLMEngine:
         blocks, held for a reader, until `release_held`. `priority`: higher is scheduled first.
         """
         self._validate(request_id, prompt_token_ids, params)
-        for index in range(params.n):
+        for index in range(1 if params.beam else params.n):  # a beam search starts as one
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
             seq.prefill_only = prefill_only
             seq.priority = priority
@@ -124,17 +131,22 @@ class LLMEngine:
         num_cached_tokens: int = 0,
         extra_keys: tuple[ExtraKey, ...] = (),
         priority: int = 0,
+        beam_candidates: list[tuple[int, float]] | None = None,
     ) -> tuple[list[int], int] | None:
         """Admit a request another worker prefilled: `first_tokens` maps each unfinished choice to
         the token it sampled there. The prompt's KV is to be written into the returned block table
         (by a NIXL READ) from block `num_valid // block_size` on; the head is this worker's own
         prefix-cache hits. Returns (block table, num_valid tokens), or None when the pool is short
-        (try again later). Call `pull_done` once the KV is in, or `pull_failed`.
+        (try again later). Call `pull_done` once the KV is in, or `pull_failed`. A beam search
+        brings `beam_candidates` (the prompt's best continuations) instead of first tokens.
         """
         seqs = self._continued(
             request_id, prompt_token_ids, params, first_tokens, num_cached_tokens, extra_keys,
             priority,
         )  # fmt: skip
+        beam = seqs[0].beam
+        if beam is not None and beam_candidates is not None:
+            beam.offer(seqs[0], [t for t, _ in beam_candidates], [lp for _, lp in beam_candidates])
         table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
         if table is None:
             return None
@@ -172,22 +184,36 @@ class LLMEngine:
         self._validate(request_id, prompt_token_ids, params)
         params = msgspec.structs.replace(params, prompt_logprobs=None)
         seqs = []
+        if params.beam:  # one prompt sequence: its first step's offer came, or it computes it
+            first_tokens = {0: -1}
         for index, token_id in sorted(first_tokens.items()):
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
-            seq.append_token(token_id)
+            if token_id >= 0:
+                seq.append_token(token_id)
             seq.num_cached_prompt_tokens = num_cached_tokens
             seq.priority = priority
             seqs.append(seq)
         return seqs
 
-    def pull_done(self, request_id: str) -> None:
+    def pull_done(self, request_id: str) -> list[TokenOutput]:
+        """The pulled KV is in: the request runs. A beam search's prompt already has its offer
+        (add_pulled_request): its beams start now, and with max_tokens 1 it ends now."""
         lead = self.scheduler.pulling[request_id][0]
         self.scheduler.pull_done(request_id, lead.num_prompt_tokens)
+        if lead.beam is None:
+            return []
+        if lead.seq_id not in lead.beam.offers:  # none came with it: compute it here
+            lead.num_computed_tokens -= 1
+            return []
+        self.scheduler.park(lead)
+        return self._select(lead.beam)
 
     def pull_failed(self, request_id: str, recompute: bool) -> list[TokenOutput]:
         """Free the pulled request's blocks; recompute its prompt here, or end it (aborted)."""
         seqs = self.scheduler.pull_failed(request_id, recompute)
-        return [] if recompute else [self._aborted(s) for s in seqs]
+        if recompute and seqs[0].beam is not None:
+            seqs[0].beam.forget(seqs[0])  # its offer is recomputed with its prompt
+        return [] if recompute else self._aborted_all(seqs)
 
     def held_block_table(self, request_id: str) -> list[int]:
         """The blocks of a prefill-only request's first choice: the prompt's KV, for a reader."""
@@ -224,7 +250,7 @@ class LLMEngine:
             matcher=self.grammars.matcher(params.guided) if params.guided is not None else None,
             thinking=ThinkingTracker(params.thinking_budget) if params.thinking_budget else None,
         )
-        return Sequence(
+        seq = Sequence(
             seq_id=request_id if params.n == 1 else f"{request_id}#{index}",
             request_id=request_id,
             index=index,
@@ -233,17 +259,32 @@ class LLMEngine:
             sampling=sampling,
             extra_keys=extra_keys,
         )
+        if params.beam is not None:
+            eos = set() if params.ignore_eos else self.eos_token_ids
+            stops = set(params.stop_token_ids) | eos
+            seq.beam = BeamGroup(
+                params.beam,
+                num_results=params.n,
+                max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
+                stop_token_ids=frozenset(stops),
+                live=[seq],
+            )
+        return seq
 
     def abort(self, request_id: str) -> list[TokenOutput]:
         """Stop a request now; its blocks are free when this returns. Unknown ids are ignored."""
-        return [self._aborted(s) for s in self.scheduler.abort(request_id)]
+        return self._aborted_all(self.scheduler.abort(request_id))
+
+    def _aborted_all(self, seqs: list[Sequence]) -> list[TokenOutput]:
+        """A beam search's sequences are its live beams, not its choices: it ends its n."""
+        if seqs and seqs[0].beam is not None:
+            return [self._aborted(seqs[0], index) for index in range(seqs[0].params.n)]
+        return [self._aborted(s, s.index) for s in seqs]
 
     @staticmethod
-    def _aborted(seq: Sequence) -> TokenOutput:
+    def _aborted(seq: Sequence, index: int) -> TokenOutput:
         """The end-of-sequence record of an aborted sequence; token_id -1 means "no new token"."""
-        return TokenOutput(
-            seq.request_id, seq.index, -1, None, None, "abort", seq.num_prompt_tokens, 0
-        )
+        return TokenOutput(seq.request_id, index, -1, None, None, "abort", seq.num_prompt_tokens, 0)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -260,14 +301,125 @@ class LLMEngine:
             - min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens)
             for c in out.chunks
         )
+        beam_rows = [row for row, seq in enumerate(seqs) if seq.beam is not None]
+        beams, beam_logits = [seqs[row] for row in beam_rows], logits[beam_rows]
+        if beam_rows:  # the sampler sees the other rows only
+            rows = [row for row, seq in enumerate(seqs) if seq.beam is None]
+            seqs, logits = [seqs[row] for row in rows], logits[rows]
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
         self.num_generated_tokens += len(seqs)
         self.scheduler.postprocess(out, seqs, sampled)
         now = time.monotonic()
-        return [
+        outputs = [
             self._output(seq, row, sampled, last_hidden if seq.params.embed else None, now)
             for row, seq in enumerate(seqs)
         ]
+        if beams:
+            outputs += self._advance_beams(beams, beam_logits, now)
+        return outputs
+
+    def _advance_beams(
+        self, beams: list[Sequence], logits: torch.Tensor, now: float
+    ) -> list[TokenOutput]:
+        """Each beam offers its best continuations and parks; a group whose live beams have all
+        offered selects (a prefill-only prompt is held instead, its offer sent to the reader)."""
+        temperatures = torch.tensor(
+            [b.params.temperature or 1.0 for b in beams], device=logits.device
+        )  # 0 (greedy) ranks the unscaled log-probs
+        logprobs = torch.log_softmax(logits.float() / temperatures[:, None], dim=-1)
+        outputs, ready = [], {}
+        for row, beam in enumerate(beams):
+            group = beam.beam
+            assert group is not None
+            if len(beam.output_token_ids) < beam.params.min_tokens:
+                logprobs[row, list(group.stop_token_ids)] = -math.inf
+            best = torch.topk(logprobs[row], min(group.keep, logprobs.shape[-1]))
+            group.offer(beam, best.indices.tolist(), best.values.tolist())
+            if beam.prefill_only:
+                self.scheduler.hold(beam)
+                candidates = group.offers.pop(beam.seq_id)
+                outputs.append(self._prompt_offer(beam, candidates, now))
+                continue
+            self.scheduler.park(beam)
+            if group.ready:
+                ready[id(group)] = group
+        for group in ready.values():
+            outputs += self._select(group)
+        return outputs
+
+    def _prompt_offer(
+        self, beam: Sequence, candidates: list[tuple[int, float]], now: float
+    ) -> TokenOutput:
+        return TokenOutput(
+            beam.request_id, 0, -1, None, None, None, beam.num_prompt_tokens,
+            beam.num_cached_prompt_tokens, queue_s=beam.queue_s, run_s=now - beam.admitted_at,
+            beam_candidates=candidates,
+        )  # fmt: skip
+
+    def _select(self, group: BeamGroup) -> list[TokenOutput]:
+        """One beam-search step for a group whose beams all offered: the chosen continuations
+        become the live beams (a parent chosen k times is forked k - 1 times; an unchosen beam
+        is freed first, which leaves a block for each fork's copy of a partial block), or the
+        search ends and its best hypotheses are the request's choices."""
+        chosen = group.select()
+        parents = {id(c.parent) for c in chosen}
+        for beam in group.live:
+            if id(beam) not in parents:
+                self.scheduler.discard(beam)
+        if group.finished:
+            return self._beam_results(group)
+        children, taken = [], set()
+        for c in chosen:
+            if id(c.parent) in taken:
+                children.append(self._fork(c.parent, group))
+            else:
+                taken.add(id(c.parent))
+                children.append(c.parent)
+        for child, c in zip(children, chosen, strict=True):
+            child.append_token(c.token_id)
+            child.beam_score = c.score
+            self.scheduler.resume(child)
+        group.live = children
+        return []
+
+    def _fork(self, parent: Sequence, group: BeamGroup) -> Sequence:
+        """A copy of the beam, sharing its KV (a partial last block copied), or with none when
+        no block is free: then it computes its tokens again when admitted."""
+        child = dataclasses.replace(
+            parent,
+            seq_id=group.new_seq_id(parent.request_id),
+            token_ids=list(parent.token_ids),
+            sampling=dataclasses.replace(
+                parent.sampling, output_token_ids=list(parent.output_token_ids)
+            ),
+        )
+        try:
+            copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+        except NoFreeBlocksError:
+            child.num_computed_tokens = 0
+            return child
+        if copy is not None:
+            source, target = copy
+            self.kv_cache.pool[target].copy_(self.kv_cache.pool[source])
+        return child
+
+    def _beam_results(self, group: BeamGroup) -> list[TokenOutput]:
+        """The search is over: its live beams are freed, and the best n hypotheses go out as
+        the request's choices, every token at once."""
+        lead = group.live[0]  # freed by now, like every live beam (_select)
+        now = time.monotonic()
+        outputs = []
+        for index, hypothesis in enumerate(group.results()):
+            last = len(hypothesis.token_ids) - 1
+            for position, token_id in enumerate(hypothesis.token_ids):
+                outputs.append(TokenOutput(
+                    lead.request_id, index, token_id, None, None,
+                    hypothesis.finish_reason if position == last else None,
+                    lead.num_prompt_tokens, lead.num_cached_prompt_tokens,
+                    queue_s=lead.queue_s, run_s=now - lead.admitted_at,
+                ))  # fmt: skip
+        self.num_generated_tokens += sum(len(h.token_ids) for h in group.results())
+        return outputs
 
     def _record_prompt_logprobs(self, rows: PromptRows) -> None:
         """Append the log-probs of the prompt tokens these rows predict, in order (a chunk run
@@ -344,6 +496,8 @@ class LLMEngine:
                 "max_tokens" if len(prompt) < self.max_model_len else "prompt",
             )
         needed_blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
+        if params.beam is not None:  # every beam may end up with its own blocks
+            needed_blocks *= params.beam.width
         if needed_blocks > self.config.num_blocks:
             raise InvalidRequest(
                 f"the request needs {needed_blocks} KV blocks; "

@@ -14,7 +14,10 @@ Two more states serve disaggregation (see `Sequence.status`):
     generation worker:  add_pulling() ─▶ pulling ─pull_done()─▶ running ─▶ finished
                                                  └pull_failed()─▶ freed, or waiting (recompute)
 
-Held and pulling sequences own their blocks but are never scheduled; `abort` frees them too.
+Held and pulling sequences own their blocks but are never scheduled; `abort` frees them too. So
+do parked ones: beams that offered their continuations and wait for the rest of their group
+(engine/beam_search.py); when nothing can run while beams are parked (their blocks are what is
+missing), the parked beams give their blocks back and compute their offers again later.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # by Sequence.queue_key
         self.held: dict[str, list[Sequence]] = {}  # request id -> its prefill-only sequences
         self.pulling: dict[str, list[Sequence]] = {}  # request id -> lead sequence + its siblings
+        self.parked: dict[str, Sequence] = {}  # seq id -> a beam waiting for its group
         self._arrivals = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # ... and found there
@@ -76,7 +80,11 @@ class Scheduler:
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request now and free its blocks (a pulling request's
         READ must be cancelled first: its blocks are reused from here)."""
-        aborted = [s for s in [*self.waiting, *self.running] if s.request_id == request_id]
+        aborted = [
+            s
+            for s in [*self.waiting, *self.running, *self.parked.values()]
+            if s.request_id == request_id
+        ]
         aborted += self.pulling.pop(request_id, [])
         for seq in aborted:
             self._finish(seq, "abort")
@@ -87,7 +95,10 @@ class Scheduler:
         return (
             request_id in self.held
             or request_id in self.pulling
-            or any(s.request_id == request_id for s in [*self.waiting, *self.running])
+            or any(
+                s.request_id == request_id
+                for s in [*self.waiting, *self.running, *self.parked.values()]
+            )
         )
 
     def release_held(self, request_id: str) -> None:
@@ -144,7 +155,31 @@ class Scheduler:
         return seqs
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
+
+    def park(self, seq: Sequence) -> None:
+        """A beam has offered its continuations: out of the batch, blocks kept."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """A beam continues: back in the batch, or in the queue when it has no KV (forked
+        without a free block, or unparked for lack of blocks) and must compute its tokens."""
+        self.parked.pop(seq.seq_id, None)
+        if seq.num_computed_tokens:
+            seq.status = SequenceStatus.RUNNING
+            _insert(self.running, seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            _insert(self.waiting, seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """A beam that no continuation chose: its blocks are freed."""
+        self._finish(seq, "abort")
+
+    def hold(self, seq: Sequence) -> None:
+        self._hold(seq, None)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -160,7 +195,22 @@ class Scheduler:
             i += 1
         if not out.preempted:
             budget = self._admit(budget, out)
+        if not out.chunks and self.parked:
+            self._unpark_all()
+            self._admit(budget, out)
         return out
+
+    def _unpark_all(self) -> None:
+        """Nothing could run: the parked beams' blocks are what the rest of their groups need.
+        They go back to the queue, to compute their offers again."""
+        for seq in self.parked.values():
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            assert seq.beam is not None
+            seq.beam.forget(seq)
+            seq.status = SequenceStatus.WAITING
+            _insert(self.waiting, seq)
+        self.parked.clear()
 
     def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         """Find blocks for `num_new` more tokens, preempting from the tail; False if `seq` itself
@@ -253,6 +303,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            del self.parked[seq.seq_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.seq_id)

@@ -1,17 +1,22 @@
 """One sequence being generated: its tokens, how far the KV cache has computed them, and why it
 ended.
 
-A request with n > 1 becomes n sequences that share the prompt (and its cached blocks).
+A request with n > 1 becomes n sequences that share the prompt (and its cached blocks); a beam
+search, one sequence per live beam (engine/beam_search.py).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.block_hash import ExtraKey
 from common.sampling_params import SamplingParams
 from engine.sampler import SamplingState
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamGroup
 
 
 class SequenceStatus(enum.Enum):
@@ -19,6 +24,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     PULLING = "pulling"  # blocks allocated, KV arriving over NIXL; not schedulable yet
     HELD = "held"  # prefill-only: done, blocks kept (leased) until the worker releases them
+    PARKED = "parked"  # a beam that offered its continuations, blocks kept, until its group selects
     FINISHED = "finished"
 
 
@@ -48,6 +54,8 @@ class Sequence:
     # first sampled token.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    beam: BeamGroup | None = None  # its request's beam search (SamplingParams.beam)
+    beam_score: float = 0.0  # the beam's cumulative log-prob
 
     @property
     def wants_prompt_logprobs(self) -> bool:

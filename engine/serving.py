@@ -82,6 +82,7 @@ def to_delta(out: TokenOutput) -> TokenDelta:
         num_cached_tokens=out.num_cached_tokens,
         prompt_logprobs=out.prompt_logprobs,
         embedding=out.embedding,
+        beam_candidates=out.beam_candidates,
     )
 
 

@@ -156,6 +156,10 @@ class ChatCompletionRequest(_Strict):
     add_generation_prompt: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    best_of: int | None = None  # with use_beam_search: the beam width (else n)
+    use_beam_search: bool = False  # the n best of the beams returned
+    length_penalty: float | None = None  # beam search only (default 1.0)
+    early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
@@ -166,6 +170,8 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
         raise InvalidRequest(
             "functions and function_call are deprecated; use tools and tool_choice", "functions"
         )
+    if body.best_of is not None and not body.use_beam_search:
+        raise InvalidRequest("best_of is the beam width: set use_beam_search", "best_of")
     if body.web_search_options is not None:
         raise InvalidRequest("web search is not available on this server", "web_search_options")
     for i, message in enumerate(body.messages):

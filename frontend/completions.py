@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -40,7 +40,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     temperature: Temperature | None = None  # None: the model's default (frontend/sampling.py)
     top_p: TopP | None = None
     n: int = 1
-    best_of: int | None = None
+    best_of: int | None = None  # sampled choices to rank, or with use_beam_search the beam width
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -63,6 +63,9 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
     priority: int = 0
+    use_beam_search: bool = False  # best_of (else n) beams, the n best returned
+    length_penalty: float | None = None  # beam search only (default 1.0)
+    early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
     prompt_token_ids_b64: str | None = None  # base64 of little-endian int32 ids, instead of prompt
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -155,7 +158,7 @@ def to_generate_requests(
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
     if body.best_of is not None and body.best_of < body.n:
         raise InvalidRequest(f"best_of ({body.best_of}) must be >= n ({body.n})", "best_of")
-    ranked = body.best_of is not None and body.best_of > body.n
+    ranked = body.best_of is not None and body.best_of > body.n and not body.use_beam_search
     if ranked and body.stream:
         raise InvalidRequest("best_of cannot be streamed: the best are known at the end", "best_of")
     check_logprobs(body.logprobs, "logprobs")

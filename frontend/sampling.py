@@ -15,12 +15,18 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
 from common.errors import InvalidRequest
-from common.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams, ThinkingBudget
+from common.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearch,
+    GuidedDecoding,
+    SamplingParams,
+    ThinkingBudget,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # The official API's ranges, checked when the body is decoded.
@@ -124,6 +130,25 @@ class SamplingFields(Protocol):
     ignore_eos: bool
     min_tokens: int
     skip_special_tokens: bool
+    best_of: int | None
+    use_beam_search: bool
+    length_penalty: float | None
+    early_stopping: bool | Literal["never"] | None
+
+
+def beam_search(body: SamplingFields) -> BeamSearch | None:
+    """vLLM's beam-search fields: `best_of` (else n) beams, the n best returned. The two that
+    shape the search mean nothing without it: a 400, not silence."""
+    if not body.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(body, name) is not None:
+                raise InvalidRequest(f"{name} applies to beam search: set use_beam_search", name)
+        return None
+    return BeamSearch(
+        width=body.best_of or body.n,
+        length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+        early_stopping=False if body.early_stopping is None else body.early_stopping,
+    )
 
 
 def sampling_params(
@@ -139,7 +164,11 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     thinking_budget: ThinkingBudget | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams, validated; the route-specific fields are passed in."""
+    """The request's SamplingParams, validated; the route-specific fields are passed in. Beam
+    search ranks the model's own distribution: the model's sampling defaults do not apply."""
+    beam = beam_search(body)
+    if beam is not None:
+        defaults = SamplingDefaults()
 
     def given_or_default(name: str) -> float:
         value = getattr(body, name)
@@ -166,6 +195,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         guided=guided,
         thinking_budget=thinking_budget,
+        beam=beam,
     )
     params.validate(vocab_size)
     return params

@@ -29,6 +29,7 @@ from common.protocol import (
     KVPool,
     Message,
     PeersRequest,
+    PrefillDone,
     Profile,
     ProfileDone,
     Register,
@@ -79,6 +80,12 @@ class ActiveRequest:
     @property
     def request_id(self) -> str:
         return self.decode.request.request_id
+
+
+def first_tokens(prefill: PrefillDone) -> dict[int, int]:
+    """Each unfinished choice's first token (none for a beam search: its offer came instead)."""
+    first = prefill.first
+    return {d.index: d.token_ids[0] for d in first if d.finish_reason is None and d.token_ids}
 
 
 class GenerationWorker:
@@ -203,17 +210,21 @@ class GenerationWorker:
             except (InvalidRequest, ValueError) as e:
                 self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
             return
+        beam_search = request.sampling.beam is not None
         active = ActiveRequest(
             decode,
-            {d.index for d in prefill.first if d.finish_reason is None},
+            set(range(request.sampling.n))
+            if beam_search  # its choices are known at the end
+            else {d.index for d in prefill.first if d.finish_reason is None},
             received_at=now,
             lease_deadline=now + prefill.lease_s if prefill.lease_s else math.inf,
             times=prefill.times,
         )
         self.active[request.request_id] = active
-        for delta in prefill.first:
-            delta.times = prefill.times
-        self.queue(active, prefill.first)  # the first tokens go out before the pull
+        if not beam_search:
+            for delta in prefill.first:
+                delta.times = prefill.times
+            self.queue(active, prefill.first)  # the first tokens go out before the pull
         bisect.insort_right(self.waiting, decode, key=lambda d: -d.request.priority)
 
     def start_pulls(self) -> None:
@@ -246,14 +257,13 @@ class GenerationWorker:
                     request.request_id, prefill.agent_name)  # fmt: skip
         self.release_source(decode)
         self.prompts_recomputed += 1
-        first_tokens = {d.index: d.token_ids[0] for d in prefill.first if d.finish_reason is None}
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
             self.engine.add_continued_request(
                 request.request_id,
                 prompt,
                 request.sampling,
-                first_tokens,
+                first_tokens(prefill),
                 request.extra_keys,
                 priority=request.priority,
             )
@@ -271,17 +281,17 @@ class GenerationWorker:
         request, prefill = decode.request, decode.prefill
         assert prefill is not None
         active = self.active[request.request_id]
-        first_tokens = {d.index: d.token_ids[0] for d in prefill.first if d.finish_reason is None}
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
             planned = self.engine.add_pulled_request(
                 request.request_id,
                 prompt,
                 request.sampling,
-                first_tokens,
+                first_tokens(prefill),
                 prefill.first[0].num_cached_tokens,
                 request.extra_keys,
                 priority=request.priority,
+                beam_candidates=prefill.first[0].beam_candidates,
             )
         except (InvalidRequest, ValueError) as e:
             self.release_source(decode)
@@ -338,7 +348,7 @@ class GenerationWorker:
                 del self.pulls[request_id]
                 if handle is not None and handle.seconds is not None:
                     self.record_transfer(self.active[request_id], handle.num_bytes, handle.seconds)
-                self.engine.pull_done(request_id)
+                self.emit(self.engine.pull_done(request_id))
             else:
                 self.pull_failed(request_id, handle.error if handle else "unknown error")
 

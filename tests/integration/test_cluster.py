@@ -120,6 +120,66 @@ def test_bad_request_gets_an_openai_error(cluster: Cluster) -> None:
         client(cluster).completions.create(model="gpt-4", prompt="hi")
 
 
+BEAM = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True}
+
+
+def test_beam_search_returns_transformers_num_beams_hypotheses(
+    cluster: Cluster, tiny_model_path: Path
+) -> None:
+    """best_of 3 beams, the 2 best returned, as `generate(num_beams=3)` ranks them; streamed
+    the same (all at the end). Disaggregated, the beams start from the context worker's offer."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for prompt in TEST_PROMPTS[:2]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids, do_sample=False, num_beams=3, num_return_sequences=2, max_new_tokens=MAX_NEW,
+                length_penalty=0.5, early_stopping=True,
+            )  # fmt: skip
+        expected = [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
+        result = complete(cluster, prompt, n=2, best_of=3, extra_body=BEAM)
+        assert [c.text for c in result.choices] == expected, prompt
+        texts = ["", ""]
+        for chunk in complete(cluster, prompt, n=2, best_of=3, stream=True, extra_body=BEAM):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == expected
+    answers = [
+        client(cluster).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], n=2, max_tokens=8,
+            extra_body={**BEAM, "best_of": 3},
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    assert [len(a.choices) for a in answers] == [2, 2]
+    assert [c.message.content for c in answers[0].choices] == [
+        c.message.content for c in answers[1].choices
+    ]  # deterministic
+
+
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"extra_body": {"length_penalty": 2.0}}, "length_penalty"),
+        ({"extra_body": {"early_stopping": True}}, "early_stopping"),
+        ({"best_of": 3, "top_p": 0.5, "extra_body": {"use_beam_search": True}}, "top_p"),
+        ({"best_of": 3, "logprobs": 2, "extra_body": {"use_beam_search": True}}, "logprobs"),
+        ({"best_of": 99, "extra_body": {"use_beam_search": True}}, "best_of"),
+        ({"extra_body": {"use_beam_search": True, "length_penalty": 1e308}}, "length_penalty"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(cluster: Cluster, options, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(cluster, "hi", **options)
+    assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:  # best_of is the beam width in chat
+        client(cluster).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"best_of": 2}
+        )
+    assert refused.value.body["param"] == "best_of"
+
+
 def test_every_kv_block_is_free_or_cached_afterwards(cluster: Cluster) -> None:
     info = cluster.wait_idle()
     engines = [w for w in info.workers if w.role in ("context", "generation")]

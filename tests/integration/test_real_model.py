@@ -104,6 +104,22 @@ def test_greedy_chat_is_token_identical_to_transformers(
         assert result.usage is not None and result.usage.completion_tokens == num_tokens
 
 
+def test_beam_search_chat_is_transformers_num_beams(cluster: Cluster, smollm2_path: Path) -> None:
+    """4 beams, the 2 best returned, as transformers ranks them, on a real model."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    messages = user(QUESTIONS[0])
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            ids, do_sample=False, num_beams=4, num_return_sequences=2, max_new_tokens=MAX_NEW
+        )
+    expected = [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
+    result = ask(cluster, messages, n=2, extra_body={"use_beam_search": True, "best_of": 4})
+    assert [c.message.content for c in result.choices] == expected
+
+
 def test_it_knows_the_capital_of_france(cluster: Cluster) -> None:
     answer = ask(cluster, user("What is the capital of France?")).choices[0].message.content
     assert answer is not None and "Paris" in answer
