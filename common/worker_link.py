@@ -3,7 +3,8 @@
 Shared by every worker kind (context, generation, postproc) so that registration behaves the same
 everywhere: a refused registration (protocol version, duplicate id) ends the process with exit
 code 2, which the supervisor does not restart; an orchestrator that restarted and no longer knows
-the worker answers a heartbeat with RegisterAgain, and the worker registers again.
+the worker, or declared it dead, answers a heartbeat with RegisterAgain, and the worker registers
+again.
 
 Liveness is apart from progress: heartbeats go out from a thread of their own, on a socket of
 their own, every `heartbeat_interval_seconds` whatever the loop is doing (torch releases the GIL
@@ -122,7 +123,9 @@ class OrchestratorLink:
         # Every heartbeat sent while the orchestrator was down is answered: once will do.
         if time.monotonic() - self._registered_at > self.heartbeat_interval_s:
             logger.warning(
-                "%s: the orchestrator does not know us; registering again", self.worker_id
+                "%s: the orchestrator lost us (it restarted, or declared us dead); registering "
+                "again",
+                self.worker_id,
             )
             send(self.socket, self.register_message)
             self._registered_at = time.monotonic()

@@ -44,7 +44,8 @@ async def run(argv: list[str] | None = None) -> None:
     from frontend.model_info import load_model_info
 
     host, port = config.frontend.host, config.frontend.port
-    url = f"http://{host}:{port}"
+    # What /cluster_info lists: a wildcard bind (0.0.0.0) is no address anyone can dial
+    url = f"http://{config.advertise_host or host}:{port}"
     context = zmq.asyncio.Context()
     authenticator = secure_context(context, config)
     client = ClusterClient(config, worker_id, url, context)

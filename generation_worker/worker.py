@@ -104,6 +104,7 @@ class GenerationWorker:
         self.kv_pull_failures = 0
         self.prompts_recomputed = 0  # handed-off prompts prefilled here: their KV was gone
         self._peers_asked_at = 0.0
+        self._drained_at = time.monotonic()  # when the last read of the command socket began
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
         self.profiler = EngineProfiler(
@@ -133,8 +134,11 @@ class GenerationWorker:
     def step(self) -> None:
         if not (self.engine.has_unfinished() or self.pulls or self.waiting):
             self.link.socket.poll(IDLE_POLL_MS)
+        # What this read returns was not there when the previous one began: KV leases are
+        # counted from then, since a long step or a stopped process reads its socket late.
+        arrived_after, self._drained_at = self._drained_at, time.monotonic()
         for message in self.link.receive():
-            self.handle(message)
+            self.handle(message, arrived_after)
         self.start_pulls()
         self.settle_pulls()
         if self.engine.has_unfinished():
@@ -163,9 +167,9 @@ class GenerationWorker:
             self.link.close(linger_ms=FAULT_LINGER_MS)  # the failures must leave first
             sys.exit(EXIT_ENGINE_FAULT)
 
-    def handle(self, message: Message) -> None:
+    def handle(self, message: Message, arrived_after: float) -> None:
         if isinstance(message, DecodeRequest):
-            self.accept(message)
+            self.accept(message, arrived_after)
         elif isinstance(message, Abort):
             self.abort(message.request_id)
         elif isinstance(message, Registered):
@@ -190,7 +194,9 @@ class GenerationWorker:
 
     # --- admission --------------------------------------------------------------------------------
 
-    def accept(self, decode: DecodeRequest) -> None:
+    def accept(self, decode: DecodeRequest, arrived_after: float) -> None:
+        """Decode it; a prefilled one first waits for a slot and blocks to pull its KV into,
+        before its lease (counted from `arrived_after`, no later than its arrival) runs out."""
         request = decode.request
         if request.request_id in self.active:
             return  # a duplicate delivery
@@ -217,7 +223,7 @@ class GenerationWorker:
             if beam_search  # its choices are known at the end
             else {d.index for d in prefill.first if d.finish_reason is None},
             received_at=now,
-            lease_deadline=now + prefill.lease_s if prefill.lease_s else math.inf,
+            lease_deadline=arrived_after + prefill.lease_s if prefill.lease_s else math.inf,
             times=prefill.times,
         )
         self.active[request.request_id] = active

@@ -204,6 +204,14 @@ class Orchestrator:
         worker = self.registry.heartbeat(message, now)
         if worker is None:
             out.append((sender, RegisterAgain()))  # to the heartbeat socket: the worker's thread
+        elif not worker.alive:
+            # Back from dead (a partition healed, a stopped process resumed): taken back when it
+            # registers in answer to this, sent on its command socket. The round trip proves
+            # that socket delivers again: after a partition TCP's retransmission backoff can
+            # hold what was queued to it (the aborts of its lost requests) for many seconds
+            # after the link is back, and new work sent behind that would arrive late, a
+            # decode request after its KV lease ran out.
+            out.append((worker.worker_id.encode(), RegisterAgain()))
         elif worker.role == "generation" and message.peers_version != self.peers_version:
             out.append((worker.worker_id.encode(), self.peers()))  # a lost or missed update
 

@@ -2,12 +2,13 @@
 
     ready ──heartbeat says its loop has not finished a step for stall_timeout_s──▶ stalled
       ▲ ◀──────────────────────────── a heartbeat with recent progress ───────────┘
-      └── any heartbeat ◀── dead ◀── no heartbeat for worker_timeout_s (from ready or stalled)
+      └── registers again ◀── dead ◀── no heartbeat for worker_timeout_s (from ready or stalled)
 
 Heartbeats come from a thread of their own (common/worker_link.py), so `dead` means the process
-is stopped, gone or wedged, never merely busy; `stalled` means alive but not progressing: it
-keeps its requests, and new work goes to ready workers first. A restarted worker registers
-under its old id and replaces its record.
+is stopped, gone, wedged or cut off, never merely busy; `stalled` means alive but not
+progressing: it keeps its requests, and new work goes to ready workers first. A dead worker heard
+from again is asked to register again (orchestrator.py says why), and a restarted one registers
+under its old id: either way its new registration replaces the record.
 """
 
 from __future__ import annotations
@@ -89,11 +90,13 @@ class Registry:
 
     def heartbeat(self, message: Heartbeat, now: float) -> WorkerRecord | None:
         """Record a heartbeat and the state it implies; None when the worker is unknown (it
-        must register again)."""
+        must register again). A dead worker stays dead until it registers again."""
         worker = self.workers.get(message.worker_id)
         if worker is None:
             return None
         worker.last_seen = now
+        if not worker.alive:
+            return worker
         worker.progress_age_s = message.progress_age_s
         state = "stalled" if message.progress_age_s > self.stall_timeout_s else "ready"
         if state != worker.state:

@@ -187,3 +187,20 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def hf_greedy_texts(model_path: Path, prompts: list[str], max_new_tokens: int) -> dict[str, str]:
+    """The reference for greedy parity: Hugging Face `generate`, one prompt at a time, decoded
+    as the server decodes. Imports torch only when called (the harness itself is torch-free)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    texts = {}
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        texts[prompt] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return texts

@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.tiny_model import TEST_PROMPTS
-from tests.integration.harness import MODEL, Cluster
+from tests.integration.harness import MODEL, Cluster, hf_greedy_texts
 
 MAX_NEW = 24
 SHARED_PREFIX = (
@@ -27,16 +27,8 @@ SHARED_PREFIX = (
 
 @pytest.fixture(scope="module")
 def hf_texts(tiny_model_path: Path) -> dict[str, str]:
-    """Greedy continuations from Hugging Face, one prompt at a time, decoded like the server."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    texts = {}
-    for prompt in [*TEST_PROMPTS, SHARED_PREFIX + "why is the sky blue?"]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
-        texts[prompt] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    return texts
+    prompts = [*TEST_PROMPTS, SHARED_PREFIX + "why is the sky blue?"]
+    return hf_greedy_texts(tiny_model_path, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])

@@ -70,9 +70,17 @@ def send_in_background(cluster: Cluster, prompt: str) -> tuple[threading.Thread,
     return thread, result
 
 
+def recomputed(cluster: Cluster) -> int:
+    return sum(w.prompts_recomputed for w in cluster.info().workers if w.role == "generation")
+
+
 def test_expired_lease_frees_blocks_and_the_late_reader_prefills_itself(cluster: Cluster) -> None:
+    """The reader finds the DecodeRequest on its socket only after the lease it carries ended
+    at the source: it counts the lease from before it could have arrived, not from when it was
+    read, so it never reads the freed (maybe reused) blocks."""
     prompt = "Late reader " * 20
     gen_pid = next(w.pid for w in cluster.info().workers if w.worker_id == "gen-0")
+    recomputed_before = recomputed(cluster)
     os.kill(gen_pid, signal.SIGSTOP)
     try:
         sender, result = send_in_background(cluster, prompt)
@@ -83,6 +91,7 @@ def test_expired_lease_frees_blocks_and_the_late_reader_prefills_itself(cluster:
     sender.join(30)
     assert freed_after_s <= LEASE_S + 2
     assert result.get("text") == complete(cluster, prompt), result  # as if read in time
+    wait_for(lambda: recomputed(cluster) > recomputed_before, 5)  # prefilled, not read
     assert_no_block_held(cluster)
 
 

@@ -51,8 +51,14 @@ def pool(name: str) -> KVPool:
 
 
 def register(
-    orch: Orchestrator, worker_id: str, role: str, now: float = 0.0, pid: int = 1
+    orch: Orchestrator,
+    worker_id: str,
+    role: str,
+    now: float = 0.0,
+    pid: int = 1,
+    instance: str | None = None,
 ) -> Outbox:
+    """A worker's Register: a new process, or with `instance` the same one again."""
     message = Register(
         worker_id=worker_id,
         role=role,  # type: ignore[arg-type]
@@ -63,6 +69,8 @@ def register(
         else "",
         kv_pool=pool(f"{worker_id}-agent") if role == "context" else None,
     )
+    if instance is not None:
+        message.instance = instance
     return orch.handle(worker_id.encode(), message, now)
 
 
@@ -149,9 +157,34 @@ def test_a_context_worker_back_from_dead_is_sent_to_the_generation_workers_again
     heartbeat(orch, "pp-0", 4.0)
     (dropped,) = updates_for(orch.tick(6.0), b"gen-0")  # ctx-0 silent for 6 s: dead
     assert dropped.peers == [] and dropped.peers_version == version + 1
-    (back,) = updates_for(heartbeat(orch, "ctx-0", 7.0), b"gen-0")  # it was only slow
+    heartbeat(orch, "ctx-0", 7.0)  # it was only slow: asked to register again
+    instance = orch.registry.workers["ctx-0"].instance
+    (back,) = updates_for(register(orch, "ctx-0", "context", 7.1, instance=instance), b"gen-0")
     assert [p.agent_name for p in back.peers] == ["ctx-0-agent"]
     assert back.peers_version == version + 2 and orch.registry.workers["ctx-0"].state == "ready"
+
+
+def test_a_worker_back_from_dead_is_taken_back_once_its_command_socket_delivers() -> None:
+    """Its heartbeats arriving again (a partition healed) do not prove that what the
+    orchestrator sends it arrives: new work waits until it registers in answer to a
+    RegisterAgain sent on its command socket, behind the aborts of the requests it lost."""
+    orch = cluster("orchestrator: {router: round_robin}", generations=2)
+    orch.handle(FRONTEND, generate(), 0.0)
+    orch.handle(b"ctx-0", prefill_done(), 0.0)  # decoding on gen-0, the first in turn
+    for worker_id in ("ctx-0", "gen-1", "pp-0"):
+        heartbeat(orch, worker_id, 4.0)
+    out = orch.tick(6.0)  # gen-0 cut off: its request fails, its abort queued to it
+    assert (b"gen-0", Abort(request_id="cmpl-1", reason="error")) in out
+    assert only(heartbeat(orch, "gen-0", 8.0)) == (b"gen-0", RegisterAgain())  # not heartbeats'
+    assert orch.registry.workers["gen-0"].state == "dead"
+    for i in range(2):  # until it registers, new work goes elsewhere
+        orch.handle(FRONTEND, generate(f"after-{i}"), 8.0)
+        decode = orch.handle(b"ctx-0", prefill_done(f"after-{i}"), 8.0)
+        assert [to for to, m in decode if isinstance(m, DecodeRequest)] == [b"gen-1"]
+    instance = orch.registry.workers["gen-0"].instance
+    out = register(orch, "gen-0", "generation", 8.5, instance=instance)
+    assert orch.registry.workers["gen-0"].state == "ready"
+    assert not [m for to, m in out if to == FRONTEND]  # the same process: nothing more failed
 
 
 def test_a_generation_worker_behind_on_peers_is_sent_them_again() -> None:
