@@ -184,6 +184,33 @@ def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
     assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
 
 
+def test_role_lists_follow_every_registry_change_and_nothing_else() -> None:
+    """Routing and the peer check read each role's workers from lists kept between registry
+    changes (a rescan per message made each message cost O(workers)): every registration,
+    state change, death and forgetting shows at once; a routine heartbeat rebuilds nothing."""
+    orch = cluster(contexts=2)
+    registry, stall_s = orch.registry, orch.config.orchestrator.stall_timeout_seconds
+
+    def context_ids(workers: tuple[WorkerRecord, ...]) -> list[str]:
+        return [w.worker_id for w in workers]
+
+    assert context_ids(registry.routable("context")) == ["ctx-0", "ctx-1"]
+    version = registry.version
+    heartbeat(orch, "ctx-0", 1.0)
+    heartbeat(orch, "gen-0", 1.0, peers_version=orch.peers_version)
+    assert registry.version == version
+    heartbeat(orch, "ctx-1", 2.0, progress_age_s=stall_s + 1)
+    assert context_ids(registry.ready("context")) == ["ctx-0"]
+    assert context_ids(registry.live("context")) == ["ctx-0", "ctx-1"]
+    orch.tick(6.5)  # ctx-0 silent for 5.5 s: dead; ctx-1 (stalled) heard 4.5 s ago
+    assert context_ids(registry.routable("context")) == ["ctx-1"]
+    assert [p.agent_name for p in orch.peers().peers] == ["ctx-1-agent"]
+    orch.tick(62.0)  # ctx-0 forgotten
+    assert "ctx-0" not in registry.workers
+    register(orch, "ctx-0", "context", now=62.0)
+    assert context_ids(registry.routable("context")) == ["ctx-0"]
+
+
 def test_heartbeat_from_an_unknown_worker_asks_it_to_register_again() -> None:
     orch = Orchestrator(parse_cluster_config(""))
     _, reply = only(orch.handle(b"gen-7", Heartbeat(worker_id="gen-7"), 0.0))
