@@ -433,6 +433,20 @@ def test_kv_aware_prefers_the_cached_prefix_unless_the_load_outweighs_it() -> No
     assert router.pick(workers(5, 0), hashes).worker_id == "w1"  # no events: by load
 
 
+def test_cached_prefixes_are_each_workers_prefix_and_skip_those_without_the_first_block() -> None:
+    """The router scores every worker of a role per request: only the holders of the prompt's
+    first block are walked along it, and each one's count is its whole cached prefix."""
+    index = PrefixIndex()
+    hashes = [11, 12, 13, 14]
+    index.stored("w0", [11, 12])
+    index.stored("w1", [11, 12, 13, 14, 15])
+    index.stored("w2", [12, 13, 14])  # a later block without the first: nothing reusable
+    found = index.cached_prefixes(["w0", "w1", "w2", "w3"], hashes)
+    assert found == {"w0": 2, "w1": 4}
+    assert all(index.num_cached_blocks(w, hashes) == found.get(w, 0) for w in ("w2", "w3"))
+    assert index.cached_prefixes(["w0"], []) == {}
+
+
 def test_requests_beyond_the_limit_get_a_429() -> None:
     orch = cluster("orchestrator: {max_requests: 2}")
     for i in range(2):
