@@ -14,7 +14,9 @@ started, registered with, and its KV-aware index filled through KV events to eac
 
 - `routed_per_s`: requests through that whole path per second at saturation (closed loop,
   `--window` in flight), and `orchestrator_cpu`, the cores it kept busy meanwhile (about 1.0:
-  the orchestrator, not this driver, was the limit).
+  the orchestrator, not this driver, was the limit); `routed_per_cpu_s`, the same requests per
+  second of the orchestrator's CPU time: what one core of its own sustains, also on a host
+  whose other processes took part of that core.
 - `route_p50_ms` / `route_p99_ms`: a frontend's GenerateRequest sent → the context worker's
   PrefillRequest received; `decode_route_*`: PrefillDone sent → DecodeRequest received. Open
   loop at half the saturated rate; every stamp on this process's monotonic clock.
@@ -143,29 +145,31 @@ def measure(sim: Simulator, pid: int, args: argparse.Namespace, profile: Path | 
              "--nonblocking", "--output", str(profile)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-    cpu, driver_cpu, wall = cpu_seconds(pid), driver_cpu_s(), time.perf_counter()
-    routed_per_s, saturated = sim.saturate(args.duration_s, args.window)
-    wall = time.perf_counter() - wall
-    cpu, driver_cpu = cpu_seconds(pid) - cpu, driver_cpu_s() - driver_cpu
+    driver_cpu, wall = driver_cpu_s(), time.perf_counter()
+    saturated = sim.saturate(args.duration_s, args.window, clock=lambda: cpu_seconds(pid))
+    driver_cpu, wall = driver_cpu_s() - driver_cpu, time.perf_counter() - wall
+    routed_per_s = saturated.routed / saturated.wall_s
     hot = {}
     if sampler is not None and profile is not None:
         sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         sampler.wait(30)
         hot = hot_functions(profile.read_text()) if profile.exists() else {}
     paced = sim.paced(routed_per_s / 2, args.latency_s)
-    hits = paced.hits + saturated.hits
+    closed = saturated.load
+    hits = paced.hits + closed.hits
     return {
-        "requests": saturated.submitted + paced.submitted,
-        "routed": len(saturated.routed_at) + len(paced.routed_at),
+        "requests": closed.submitted + paced.submitted,
+        "routed": len(closed.routed_at) + len(paced.routed_at),
         "routed_per_s": round(routed_per_s, 1),
-        "orchestrator_cpu": round(cpu / wall, 3),
+        "routed_per_cpu_s": round(saturated.routed / saturated.clock_s, 1),
+        "orchestrator_cpu": round(saturated.clock_s / saturated.wall_s, 3),
         "driver_cpu": round(driver_cpu / wall, 3),
         "latency_rate_per_s": round(routed_per_s / 2, 1),
         "route_p50_ms": percentile_ms(paced.route_s, 50),
         "route_p99_ms": percentile_ms(paced.route_s, 99),
         "decode_route_p50_ms": percentile_ms(paced.decode_route_s, 50),
         "decode_route_p99_ms": percentile_ms(paced.decode_route_s, 99),
-        "hits_to_holder": round((paced.hits_to_holder + saturated.hits_to_holder) / hits, 3)
+        "hits_to_holder": round((paced.hits_to_holder + closed.hits_to_holder) / hits, 3)
         if hits
         else None,
         **({"profile": hot} if hot else {}),
@@ -194,6 +198,7 @@ def run_cluster(num_workers: int, args: argparse.Namespace, core: int | None,
         for blocks in sorted(set(args.blocks)):
             added = blocks - sim.num_blocks
             fill_s = sim.fill(blocks)
+            check_log(orchestrator)
             cell = {
                 "workers": num_workers,
                 "context_workers": len(sim.context_workers),
@@ -210,6 +215,10 @@ def run_cluster(num_workers: int, args: argparse.Namespace, core: int | None,
             print(json.dumps({k: v for k, v in cell.items() if k != "profile"}), flush=True)
             cells.append(cell)
         return cells
+    except BaseException:
+        log = orchestrator.log_path.read_text(errors="replace").splitlines()
+        print("the orchestrator's log ended with:", *log[-20:], sep="\n", file=sys.stderr)
+        raise
     finally:
         if sim is not None:
             sim.close()
@@ -224,7 +233,8 @@ def host(core: int | None, driver_cores: list[int]) -> dict:
             break
     return {"machine": platform.machine(), "cpu": cpu, "cpus": os.cpu_count(),
             "python": platform.python_version(), "zmq": zmq.zmq_version(),
-            "orchestrator_core": core, "driver_cores": driver_cores}  # fmt: skip
+            "orchestrator_core": core, "driver_cores": driver_cores,
+            "load_average_at_start": round(os.getloadavg()[0], 2)}  # fmt: skip
 
 
 def plot(result: dict, out: Path) -> str:
@@ -237,7 +247,7 @@ def plot(result: dict, out: Path) -> str:
     workers = sorted({c["workers"] for c in cells})
     sizes = sorted({c["blocks"] for c in cells})
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = (("routed_per_s", axes[0], "routed requests/s (one core)"),
+    panels = (("routed_per_cpu_s", axes[0], "routed requests per orchestrator CPU-s"),
               ("route_p99_ms", axes[1], "routing latency p99 (ms), half load"))  # fmt: skip
     for key, ax, label in panels:
         for blocks in sizes:

@@ -114,6 +114,14 @@ class Prompt:
 
 
 @dataclass(slots=True)
+class Saturated:
+    routed: int  # requests that reached a generation worker in the counted window
+    wall_s: float  # the window
+    clock_s: float  # what the caller's clock (the orchestrator's CPU time) advanced in it
+    load: Load
+
+
+@dataclass(slots=True)
 class Load:
     """The stamps and counts of one phase."""
 
@@ -157,7 +165,9 @@ class Simulator:
         self.pool: list[Prompt] = []  # the prompts requests are drawn from, for this index
         self.failures: list[str] = []
         self.next_id = 0
-        self.heartbeats_epoch: float | None = None  # from registration on
+        self.beating: list[Peer] = []  # the registered peers, which heartbeat
+        self.heartbeats_due = 0.0  # owed since the last send, in heartbeats
+        self.heartbeats_at = 0.0
         self.heartbeats_sent = 0
         self.stats = WorkerStats(blocks_total=65536, num_running=32, active_requests=32)
         # the index's fill: chains stored so far, and a uniform sample of them for hit prompts
@@ -216,12 +226,12 @@ class Simulator:
         """Every peer once per interval, spread evenly (the real ones come from a thread of each
         worker's own; these come from the worker's one socket, which the orchestrator cannot
         tell apart: it reads the id in the message)."""
-        if self.heartbeats_epoch is None:
-            return
         now = time.perf_counter()
-        due = int((now - self.heartbeats_epoch) / HEARTBEAT_INTERVAL_S * len(self.peers))
-        while self.heartbeats_sent < due:
-            peer = self.peers[self.heartbeats_sent % len(self.peers)]
+        self.heartbeats_due += (now - self.heartbeats_at) / HEARTBEAT_INTERVAL_S * len(self.beating)
+        self.heartbeats_at = now
+        while self.heartbeats_due >= 1:
+            self.heartbeats_due -= 1
+            peer = self.beating[self.heartbeats_sent % len(self.beating)]
             beat = Heartbeat(worker_id=peer.worker_id, stats=self.stats, progress_age_s=0.01,
                              peers_version=peer.peers_version)  # fmt: skip
             self.send(peer, beat)
@@ -254,7 +264,7 @@ class Simulator:
                     num_blocks=65536,
                 ))  # fmt: skip
             self.barrier(group)
-        self.heartbeats_epoch = time.perf_counter()
+            self.beating += group  # as a real worker starts its heartbeats once registered
 
     @staticmethod
     def kv_pool(peer: Peer) -> KVPool:
@@ -370,18 +380,24 @@ class Simulator:
             self.load.hits += 1
             self.load.hits_to_holder += holder is peer
 
-    def saturate(self, duration_s: float, window: int) -> tuple[float, Load]:
-        """Closed loop with `window` requests in flight: routed requests/s after the warm-up."""
+    def saturate(self, duration_s: float, window: int, clock: Callable[[], float]) -> Saturated:
+        """Closed loop with `window` requests in flight; what was routed after the warm-up, in
+        how long, and what `clock` (the orchestrator's CPU time) advanced meanwhile."""
         self.load = Load(refill=True)
         start = time.perf_counter()
         for _ in range(window):
             self.submit(self.rng.choice(self.pool))
+        while (now := time.perf_counter()) < start + WARMUP_S:
+            self.pump(0.01)
+        counted_from, clock_from = now, clock()
         while time.perf_counter() < start + duration_s:
             self.pump(0.01)
-        end = time.perf_counter()
+        end, clock_s = time.perf_counter(), clock() - clock_from
         self.drain()
-        counted = sum(1 for t in self.load.routed_at if start + WARMUP_S <= t <= end)
-        return counted / (end - start - WARMUP_S), self.load
+        routed = sum(1 for t in self.load.routed_at if counted_from <= t <= end)
+        if not routed:
+            raise RuntimeError(f"nothing was routed in {end - counted_from:.1f} s")
+        return Saturated(routed, end - counted_from, clock_s, self.load)
 
     def paced(self, rate: float, duration_s: float) -> Load:
         """Open loop at `rate` requests/s (sends catch up when the loop falls behind)."""

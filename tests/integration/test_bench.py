@@ -20,9 +20,10 @@ RATIOS = ("pipeline_efficiency", "vs_hf_sequential", "vs_hf_batched", "disagg_vs
 
 ORCHESTRATOR_CELL_KEYS = {"workers", "context_workers", "generation_workers", "postproc_workers",
                           "blocks", "rss_mib", "fill_s", "fill_blocks_per_s", "requests", "routed",
-                          "routed_per_s", "orchestrator_cpu", "driver_cpu", "latency_rate_per_s",
-                          "route_p50_ms", "route_p99_ms", "decode_route_p50_ms",
-                          "decode_route_p99_ms", "hits_to_holder"}  # fmt: skip
+                          "routed_per_s", "routed_per_cpu_s", "orchestrator_cpu", "driver_cpu",
+                          "latency_rate_per_s", "route_p50_ms", "route_p99_ms",
+                          "decode_route_p50_ms", "decode_route_p99_ms",
+                          "hits_to_holder"}  # fmt: skip
 
 
 def run_bench(module: str, args: list[str], timeout_s: float) -> None:
@@ -86,7 +87,7 @@ def test_orchestrator_bench_routes_every_request(tmp_path: Path) -> None:
     assert set(cell) == ORCHESTRATOR_CELL_KEYS
     assert (cell["workers"], cell["blocks"]) == (4, 1000)
     assert cell["requests"] == cell["routed"] > 100  # each one sent reached a generation worker
-    assert cell["routed_per_s"] > 0 and cell["rss_mib"] > 0
+    assert cell["routed_per_s"] > 0 and cell["routed_per_cpu_s"] > 0 and cell["rss_mib"] > 0
     assert 0 < cell["route_p50_ms"] <= cell["route_p99_ms"]
     assert 0 < cell["decode_route_p50_ms"] <= cell["decode_route_p99_ms"]
     assert (tmp_path / result["plot"]).read_bytes().startswith(b"\x89PNG")
