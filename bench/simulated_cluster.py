@@ -104,7 +104,7 @@ class Peer:
     role: str
     sock: zmq.Socket
     peers_version: int = 0  # of the last Registered (generation workers echo it in heartbeats)
-    infos: int = 0  # ClusterInfo answers received: the fill's barrier
+    infos: int = 0  # ClusterInfo answers received (see Simulator.barrier)
 
 
 @dataclass(slots=True)
@@ -283,6 +283,7 @@ class Simulator:
         """Store chains on the engine workers, round robin, through KV events (as a worker's step
         sends them) until the index holds `num_blocks`; returns the seconds it took."""
         start = time.perf_counter()
+        senders: dict[str, Peer] = {}  # the barrier at the end waits for these only
         sent = 0
         while self.num_blocks < num_blocks:
             peer = self.engines[self.num_chains // CHAINS_PER_MESSAGE % len(self.engines)]
@@ -297,11 +298,12 @@ class Simulator:
                 self.keep(chain, peer)
                 self.num_blocks += length
             self.send(peer, KVEvents(worker_id=peer.worker_id, events=events))
+            senders[peer.worker_id] = peer
             sent += 1
             if sent % FILL_ROUND_MESSAGES == 0:
                 self.barrier([peer])  # the orchestrator is at most a round behind
             self.send_heartbeats()
-        self.barrier(self.engines)
+        self.barrier(list(senders.values()))
         return time.perf_counter() - start
 
     def keep(self, chain: list[int], holder: Peer) -> None:
