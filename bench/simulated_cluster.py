@@ -8,6 +8,8 @@ each a DEALER with its id as identity, speaking the real protocol over CURVE, an
 
 All of them live in this process's one loop (`pump`), so every stamp is on one monotonic clock.
 They read only the request id of what they receive: their decoding is not the orchestrator's.
+They send no KV events for the requests they serve (a real engine worker reports each prompt's
+new blocks, and its evictions): the fill's rate prices those per block.
 The workload: prompts of 1024 tokens (64 blocks of 16), 256 output tokens; half the prompts
 start with a 32-block chain one worker stored (a hit), half share nothing. Block hashes are
 random 64-bit values: the orchestrator only compares them.
