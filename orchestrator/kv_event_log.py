@@ -22,8 +22,14 @@ DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 
 
 class KVEventLog:
+    """Stored events are kept as the worker sent them and rendered at drain: most fall off the
+    queue unread, and rendered (a dict per token) each cost the orchestrator's loop a dict per
+    token and left millions of them on its heap for the garbage collector to walk."""
+
     def __init__(self, max_events: int = 10_000) -> None:
-        self._queue: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self._queue: deque[tuple[int, str, BlockStored | dict[str, Any]]] = deque(
+            maxlen=max_events
+        )  # (event_id, worker_id, data)
         self._next_id = 0
 
     def created(self, worker_id: str, num_blocks: int) -> None:
@@ -31,7 +37,7 @@ class KVEventLog:
         self._append(worker_id, {"type": "created", "num_blocks_per_cache_level": [num_blocks]})
 
     def stored(self, worker_id: str, event: BlockStored) -> None:
-        self._append(worker_id, _stored(event))
+        self._append(worker_id, event)
 
     def removed(self, worker_id: str, block_hashes: list[int]) -> None:
         if block_hashes:
@@ -39,12 +45,16 @@ class KVEventLog:
 
     def drain(self) -> bytes:
         """Every queued event as a JSON array, oldest first; the queue is emptied."""
-        events = list(self._queue)
+        events = [
+            {"event_id": event_id, "worker_id": worker_id,
+             "data": _stored(data) if isinstance(data, BlockStored) else data}
+            for event_id, worker_id, data in self._queue
+        ]  # fmt: skip
         self._queue.clear()
         return msgspec.json.encode(events)
 
-    def _append(self, worker_id: str, data: dict[str, Any]) -> None:
-        self._queue.append({"event_id": self._next_id, "worker_id": worker_id, "data": data})
+    def _append(self, worker_id: str, data: BlockStored | dict[str, Any]) -> None:
+        self._queue.append((self._next_id, worker_id, data))
         self._next_id += 1
 
 

@@ -106,6 +106,7 @@ class Orchestrator:
         self.requests: dict[str, RequestRecord] = {}
         self.peers_version = 0
         self._peer_names: tuple[str, ...] = ()  # the agents `peers_version` lists
+        self._peers_checked = -1  # the registry version they were last checked against
         self.profile_round: ProfileRound | None = None
 
     # --- dispatch ---------------------------------------------------------------------------------
@@ -236,6 +237,9 @@ class Orchestrator:
         """After every message and tick: when the live context workers changed (one registered,
         restarted, died or came back), a new version goes to every live generation worker.
         Heartbeats carry the version each one applied, so a lost update is sent again."""
+        if self.registry.version == self._peers_checked:
+            return  # no worker came, went or changed state since the last look
+        self._peers_checked = self.registry.version
         names = tuple(pool.agent_name for pool in self.registry.kv_pools())
         if names == self._peer_names:
             return

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -68,10 +67,20 @@ class WorkerRecord:
 
 
 class Registry:
+    """The records, and each role's ready and live workers, kept between changes: routing asks
+    for them several times per request and the peer check after every message, so a scan of
+    every record each time made each message O(workers)."""
+
     def __init__(self, worker_timeout_s: float, stall_timeout_s: float) -> None:
         self.worker_timeout_s = worker_timeout_s
         self.stall_timeout_s = stall_timeout_s
-        self.workers: dict[str, WorkerRecord] = {}
+        self.workers: dict[str, WorkerRecord] = {}  # changed only by the methods below
+        self.version = 0  # +1 whenever a record is added, replaced or dropped, or changes state
+        self._by_role: dict[tuple[str, bool], tuple[WorkerRecord, ...]] = {}
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._by_role.clear()
 
     def register(self, message: Register, now: float) -> WorkerRecord | None:
         """Add (or replace) a worker; returns the record it replaced, if any."""
@@ -86,6 +95,7 @@ class Registry:
             events_address=message.events_address,
             instance=message.instance,
         )
+        self._changed()
         return old
 
     def heartbeat(self, message: Heartbeat, now: float) -> WorkerRecord | None:
@@ -104,6 +114,7 @@ class Registry:
             log("%s %s is %s (its loop last finished a step %.1f s ago)", worker.role,
                 worker.worker_id, state, message.progress_age_s)  # fmt: skip
             worker.state = state
+            self._changed()
         if message.stats is not None:
             worker.stats = message.stats
         return worker
@@ -117,6 +128,8 @@ class Registry:
         ]
         for worker in dead:
             worker.state = "dead"
+        if dead:
+            self._changed()
         return dead
 
     def forget_dead(self, now: float) -> None:
@@ -129,24 +142,32 @@ class Registry:
                 logger.info("%s %s: dead for %.0f s, forgotten", worker.role, worker.worker_id,
                             now - worker.last_seen)  # fmt: skip
                 del self.workers[worker.worker_id]
+                self._changed()
 
-    def ready(self, role: str) -> list[WorkerRecord]:
-        return self._with_role(role, lambda w: w.ready)
+    def ready(self, role: str) -> tuple[WorkerRecord, ...]:
+        return self._with_role(role, ready_only=True)
 
-    def live(self, role: str) -> list[WorkerRecord]:
+    def live(self, role: str) -> tuple[WorkerRecord, ...]:
         """Ready or stalled: alive, so still a peer and still holding its requests."""
-        return self._with_role(role, lambda w: w.alive)
+        return self._with_role(role, ready_only=False)
 
-    def routable(self, role: str) -> list[WorkerRecord]:
+    def routable(self, role: str) -> tuple[WorkerRecord, ...]:
         """Where new work goes: the ready workers, or, when every live one is stalled, those
         (a request queued on a slow worker beats a 503)."""
         return self.ready(role) or self.live(role)
 
-    def _with_role(self, role: str, keep: Callable[[WorkerRecord], bool]) -> list[WorkerRecord]:
-        return sorted(
-            (w for w in self.workers.values() if w.role == role and keep(w)),
-            key=lambda w: w.worker_id,
-        )
+    def _with_role(self, role: str, ready_only: bool) -> tuple[WorkerRecord, ...]:
+        """By worker id; computed once per change of the registry."""
+        found = self._by_role.get((role, ready_only))
+        if found is None:
+            found = self._by_role[(role, ready_only)] = tuple(
+                sorted(
+                    (w for w in self.workers.values()
+                     if w.role == role and (w.ready if ready_only else w.alive)),
+                    key=lambda w: w.worker_id,
+                )
+            )  # fmt: skip
+        return found
 
     def postproc_for(self, request_id: str) -> WorkerRecord | None:
         """A stable choice (crc32 of the id, not Python's salted hash) over the routable pool."""

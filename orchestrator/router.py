@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from orchestrator.registry import WorkerRecord
 
@@ -67,6 +67,21 @@ class PrefixIndex:
             count += 1
         return count
 
+    def cached_prefixes(
+        self, worker_ids: Iterable[str], block_hashes: Sequence[int]
+    ) -> dict[str, int]:
+        """`num_cached_blocks` of the workers that hold the prompt's first block (the others
+        hold none of it): one lookup per worker, and a walk along the prompt only on those few.
+        The router asks this of every worker of a role for every request."""
+        if not block_hashes:
+            return {}
+        first, blocks = block_hashes[0], self._blocks
+        return {
+            worker_id: self.num_cached_blocks(worker_id, block_hashes)
+            for worker_id in worker_ids
+            if first in blocks.get(worker_id, ())
+        }
+
 
 class KVAwareRouter:
     def __init__(
@@ -81,12 +96,13 @@ class KVAwareRouter:
         self.overlap_weight = overlap_weight
         self.rng = rng or random.Random()
 
-    def cost(self, worker: WorkerRecord, block_hashes: Sequence[int]) -> float:
-        uncached = len(block_hashes) - self.index.num_cached_blocks(worker.worker_id, block_hashes)
-        return self.overlap_weight * uncached + worker.active_tokens / self.block_size
-
     def pick(self, workers: Sequence[WorkerRecord], block_hashes: Sequence[int]) -> WorkerRecord:
-        costs = [self.cost(w, block_hashes) for w in workers]
+        cached = self.index.cached_prefixes((w.worker_id for w in workers), block_hashes)
+        weight, num_blocks, block_size = self.overlap_weight, len(block_hashes), self.block_size
+        costs = [
+            weight * (num_blocks - cached.get(w.worker_id, 0)) + w.active_tokens / block_size
+            for w in workers
+        ]  # the cost of the module's docstring, inlined: this runs per worker per request
         least = min(costs)
         return self.rng.choice([w for w, c in zip(workers, costs, strict=True) if c == least])
 

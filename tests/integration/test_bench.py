@@ -1,5 +1,7 @@
-"""bench/serving.py end to end on a small workload: it starts both clusters, runs every side of the
-comparison, and writes the JSON with its stable keys, the plots and the profile."""
+"""The benchmarks end to end on small workloads. bench/serving.py: it starts both clusters, runs
+every side of the comparison, and writes the JSON with its stable keys, the plots and the
+profile. bench/orchestrator_load.py: the real orchestrator under simulated frontends and workers
+routes every request it is sent."""
 
 from __future__ import annotations
 
@@ -16,19 +18,33 @@ RATIOS = ("pipeline_efficiency", "vs_hf_sequential", "vs_hf_batched", "disagg_vs
           "prefix_ttft_ratio")  # fmt: skip
 
 
-def test_serving_bench_writes_every_figure(tmp_path: Path, tiny_model_path: Path) -> None:
-    out = tmp_path / "latest.json"
-    command = [sys.executable, "-m", "bench.serving", "--concurrency", "1", "2",
-               "--repeats", "1", "--prompt-len", "16", "48", "--output-len", "4", "12",
-               "--hf-sequential-requests", "1", "--out", str(out)]  # fmt: skip
+ORCHESTRATOR_CELL_KEYS = {"workers", "context_workers", "generation_workers", "postproc_workers",
+                          "blocks", "rss_mib", "fill_s", "fill_blocks_per_s", "requests", "routed",
+                          "routed_per_s", "routed_per_cpu_s", "orchestrator_cpu", "driver_cpu",
+                          "latency_rate_per_s", "route_p50_ms", "route_p99_ms",
+                          "decode_route_p50_ms", "decode_route_p99_ms",
+                          "hits_to_holder"}  # fmt: skip
+
+
+def run_bench(module: str, args: list[str], timeout_s: float) -> None:
+    """`python -m <module> <args>` to its end; stopped (SIGTERM: each bench stops what it
+    started) and failed if it outlives `timeout_s`."""
+    command = [sys.executable, "-m", module, *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        output, _ = process.communicate(timeout=300)
+        output, _ = process.communicate(timeout=timeout_s)
     finally:
         if process.poll() is None:
-            process.terminate()  # the bench stops its clusters on SIGTERM
+            process.terminate()
             process.wait(60)
     assert process.returncode == 0, output.decode(errors="replace")[-3000:]
+
+
+def test_serving_bench_writes_every_figure(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    run_bench("bench.serving", ["--concurrency", "1", "2", "--repeats", "1", "--prompt-len", "16",
+                                "48", "--output-len", "4", "12", "--hf-sequential-requests", "1",
+                                "--out", str(out)], timeout_s=300)  # fmt: skip
 
     result = json.loads(out.read_text())
     assert set(result["levels"]) == {"1", "2"}
@@ -57,3 +73,21 @@ def test_serving_bench_writes_every_figure(tmp_path: Path, tiny_model_path: Path
     assert profile["gen-0"]["cpu_cores"] > 0 and profile["gen-0"]["samples"] > 0
     assert any("engine/" in name for name in profile["gen-0"]["inclusive"])
     assert (tmp_path / "latest-profile" / "gen-0.txt").stat().st_size > 0
+
+
+def test_orchestrator_bench_routes_every_request(tmp_path: Path) -> None:
+    out = tmp_path / "orchestrator.json"
+    run_bench("bench.orchestrator_load", ["--workers", "4", "--blocks", "1000", "--duration-s", "1",
+                                          "--latency-s", "0.5", "--window", "32",
+                                          "--out", str(out)], timeout_s=60)  # fmt: skip
+
+    result = json.loads(out.read_text())
+    assert result["setup"]["curve"] and result["host"]["cpus"] >= 1
+    [cell] = result["cells"]
+    assert set(cell) == ORCHESTRATOR_CELL_KEYS
+    assert (cell["workers"], cell["blocks"]) == (4, 1000)
+    assert cell["requests"] == cell["routed"] > 100  # each one sent reached a generation worker
+    assert cell["routed_per_s"] > 0 and cell["routed_per_cpu_s"] > 0 and cell["rss_mib"] > 0
+    assert 0 < cell["route_p50_ms"] <= cell["route_p99_ms"]
+    assert 0 < cell["decode_route_p50_ms"] <= cell["decode_route_p99_ms"]
+    assert (tmp_path / result["plot"]).read_bytes().startswith(b"\x89PNG")

@@ -3,6 +3,7 @@ each engine worker gets its own publishing port."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import msgspec
@@ -53,6 +54,21 @@ def test_a_slow_poller_loses_the_oldest_events_and_sees_the_gap() -> None:
     for i in range(5):
         log.removed("ctx-0", [i])
     assert [e["event_id"] for e in json.loads(log.drain())] == [3, 4]
+
+
+def test_stored_events_cost_no_object_per_token_until_drained() -> None:
+    """Every KV event passes through the orchestrator's one loop, and few are ever drained: a
+    dict per token rendered on arrival cost that loop its time and left millions of objects
+    for the garbage collector to walk (bench/orchestrator_load.py, 10^6 cached blocks)."""
+    log = KVEventLog()
+    events = [BlockStored(list(range(32)), None, list(range(32 * 16)), 16) for _ in range(100)]
+    gc.collect()
+    before = len(gc.get_objects())
+    for event in events:
+        log.stored("gen-0", event)
+    assert len(gc.get_objects()) - before < 2 * len(events)
+    drained = json.loads(log.drain())
+    assert len(drained) == 100 and len(drained[0]["data"]["blocks"][31]["tokens"]) == 16
 
 
 def test_each_engine_worker_publishes_on_its_own_port() -> None:

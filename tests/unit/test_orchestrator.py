@@ -217,6 +217,33 @@ def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
     assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
 
 
+def test_role_lists_follow_every_registry_change_and_nothing_else() -> None:
+    """Routing and the peer check read each role's workers from lists kept between registry
+    changes (a rescan per message made each message cost O(workers)): every registration,
+    state change, death and forgetting shows at once; a routine heartbeat rebuilds nothing."""
+    orch = cluster(contexts=2)
+    registry, stall_s = orch.registry, orch.config.orchestrator.stall_timeout_seconds
+
+    def context_ids(workers: tuple[WorkerRecord, ...]) -> list[str]:
+        return [w.worker_id for w in workers]
+
+    assert context_ids(registry.routable("context")) == ["ctx-0", "ctx-1"]
+    version = registry.version
+    heartbeat(orch, "ctx-0", 1.0)
+    heartbeat(orch, "gen-0", 1.0, peers_version=orch.peers_version)
+    assert registry.version == version
+    heartbeat(orch, "ctx-1", 2.0, progress_age_s=stall_s + 1)
+    assert context_ids(registry.ready("context")) == ["ctx-0"]
+    assert context_ids(registry.live("context")) == ["ctx-0", "ctx-1"]
+    orch.tick(6.5)  # ctx-0 silent for 5.5 s: dead; ctx-1 (stalled) heard 4.5 s ago
+    assert context_ids(registry.routable("context")) == ["ctx-1"]
+    assert [p.agent_name for p in orch.peers().peers] == ["ctx-1-agent"]
+    orch.tick(62.0)  # ctx-0 forgotten
+    assert "ctx-0" not in registry.workers
+    register(orch, "ctx-0", "context", now=62.0)
+    assert context_ids(registry.routable("context")) == ["ctx-0"]
+
+
 def test_heartbeat_from_an_unknown_worker_asks_it_to_register_again() -> None:
     orch = Orchestrator(parse_cluster_config(""))
     _, reply = only(orch.handle(b"gen-7", Heartbeat(worker_id="gen-7"), 0.0))
@@ -437,6 +464,20 @@ def test_kv_aware_prefers_the_cached_prefix_unless_the_load_outweighs_it() -> No
     index.removed("w1", [11])  # a broken chain: nothing of the prefix is reusable
     assert index.num_cached_blocks("w1", hashes) == 0
     assert router.pick(workers(5, 0), hashes).worker_id == "w1"  # no events: by load
+
+
+def test_cached_prefixes_are_each_workers_prefix_and_skip_those_without_the_first_block() -> None:
+    """The router scores every worker of a role per request: only the holders of the prompt's
+    first block are walked along it, and each one's count is its whole cached prefix."""
+    index = PrefixIndex()
+    hashes = [11, 12, 13, 14]
+    index.stored("w0", [11, 12])
+    index.stored("w1", [11, 12, 13, 14, 15])
+    index.stored("w2", [12, 13, 14])  # a later block without the first: nothing reusable
+    found = index.cached_prefixes(["w0", "w1", "w2", "w3"], hashes)
+    assert found == {"w0": 2, "w1": 4}
+    assert all(index.num_cached_blocks(w, hashes) == found.get(w, 0) for w in ("w2", "w3"))
+    assert index.cached_prefixes(["w0"], []) == {}
 
 
 def test_requests_beyond_the_limit_get_a_429() -> None:
