@@ -15,8 +15,9 @@ from common.sampling_params import BeamSearch, SamplingParams
 from engine.beam_search import BeamGroup
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine, TokenOutput
+from engine.llm_engine import LLMEngine
 from engine.tiny_model import TEST_PROMPTS
+from tests.unit.test_disaggregated_engine import run_to_end, tokens_by_choice
 
 # (width, length_penalty, early_stopping, max_tokens): each stopping rule, both signs of length
 # preference
@@ -115,20 +116,6 @@ def test_n_returns_the_best_n_of_the_beams(llm) -> None:
     assert [c.token_ids for c in best_two] == [c.token_ids for c in all_four[:2]]
 
 
-def run_to_end(engine: LLMEngine) -> list[TokenOutput]:
-    outputs: list[TokenOutput] = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    return outputs
-
-
-def by_choice(outputs: list[TokenOutput]) -> dict[int, list[int]]:
-    choices: dict[int, list[int]] = {}
-    for out in outputs:
-        choices.setdefault(out.index, []).append(out.token_id)
-    return choices
-
-
 def test_beams_start_from_the_context_workers_offer(tiny_model_path: Path, llm) -> None:
     """Disaggregated: the prefill-only engine holds the prompt and offers its first step's best
     continuations (no token); the reader copies the prompt's KV in (what the NIXL READ does),
@@ -154,7 +141,7 @@ def test_beams_start_from_the_context_workers_offer(tiny_model_path: Path, llm) 
         outputs = generation.pull_done(f"r{i}") + run_to_end(generation)
         context.release_held(f"r{i}")
         expected = llm.generate([prompt], params)[0].outputs
-        assert by_choice(outputs) == {c.index: c.token_ids for c in expected}
+        assert tokens_by_choice(outputs) == {c.index: c.token_ids for c in expected}
     for engine in (context, generation):
         assert engine.kv.usage.used == 0 and engine.num_held_blocks == 0
 
@@ -178,7 +165,7 @@ def test_more_stop_tokens_than_a_step_ranks(tiny_model_path: Path) -> None:
     vocab = engine.model_config.vocab_size
     params = beam_params(2, 1.0, False, 6, [t for t in range(vocab) if t not in (5, 6, 7)])
     engine.add_request("r", list(range(10, 20)), params)
-    choices = by_choice(run_to_end(engine))
+    choices = tokens_by_choice(run_to_end(engine))
     assert sorted(choices) == [0, 1] and engine.kv.usage.used == 0
 
 
