@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -225,13 +226,19 @@ def parse_counts(items: list[str], config: ClusterConfig) -> dict[str, int] | st
     return counts
 
 
-def scale(items: list[str], timeout_s: float, records_dir: Path = RECORDS_DIR) -> int:
-    """Have the cluster `orchestrator up` runs here run these numbers of workers, and wait
-    until it does: the new ones ready, the removed ones drained and gone."""
+def scale(
+    items: list[str], config_path: str | None, timeout_s: float, records_dir: Path = RECORDS_DIR
+) -> int:
+    """Have the cluster `orchestrator up` runs here (the one started with `config_path`, when
+    given) run these numbers of workers, and wait until it does: the new ones ready, the
+    removed ones drained and gone."""
     running = running_clusters(records_dir)
+    if config_path is not None:
+        running = [r for r in running if r.config_path == os.path.abspath(config_path)]
     if len(running) != 1:
         print(f"error: {len(running)} clusters run here; `orchestrator scale` needs one started "
-              "by `orchestrator up`", file=sys.stderr)  # fmt: skip
+              "by `orchestrator up` (name its cluster.yaml with --config)",
+              file=sys.stderr)  # fmt: skip
         return 2
     record = running[0]
     config = load_config(record.config_path)
@@ -283,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "scale", help="run N workers of a role in the cluster `orchestrator up` runs here"
     )
     resize.add_argument("counts", nargs="+", metavar="ROLE=N", help="generation=3 context=1 ...")
+    resize.add_argument("--config", help="the cluster.yaml it was started with")
     resize.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="wait this long for the new size (default: 300)")  # fmt: skip
     retire = commands.add_parser(
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         return probe(args.worker_id, args.config, args.alive)
     if args.command == "scale":
-        return scale(args.counts, args.timeout)
+        return scale(args.counts, args.config, args.timeout)
     if args.command == "drain":
         return drain(args.worker_id, args.config, args.timeout)
     return 2
