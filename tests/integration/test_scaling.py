@@ -142,6 +142,21 @@ def test_context_scales_1_2_1_under_load_without_a_failed_request(
     assert not load.errors, load.errors
 
 
+def test_drain_command_takes_a_postproc_worker_out_under_load(cluster: Cluster, load: Load) -> None:
+    """What a pod's preStop hook runs: the streams it formats finish, then it is gone."""
+    wait_for_load(load, 3)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "drain", "pp-1",
+         str(cluster.log_path.parent / "cluster.yaml"), "--timeout", "60"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + cluster.log_tail()
+    assert [w.worker_id for w in cluster.workers("postproc")] == ["pp-0"]
+    assert drained_exits(cluster, "pp-1") == ["exited with code 0"]
+    wait_for_load(load, 5)
+    assert not load.errors, load.errors
+
+
 def test_nothing_is_left_held_after_scaling(cluster: Cluster) -> None:
     info = cluster.wait_idle(timeout_s=20)
     engines = [w for w in info.workers if w.role in ("context", "generation")]
