@@ -183,7 +183,8 @@ class Supervisor:
         assert child.process is not None
         process, child.process = child.process, None
         what = f"{child.spec.worker_id} (pid {process.pid}) {describe_exit(process)}"
-        if child.retire_by is not None or process.returncode == 0:
+        drained = process.returncode == 0 and child.spec.role in WORKER_MODULES
+        if child.retire_by is not None or drained:
             self.children.remove(child)  # drained on purpose: the cluster is smaller now
             logger.info("%s: drained, removed (not restarted)", what)
             return
