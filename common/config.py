@@ -57,6 +57,9 @@ class OrchestratorConfig(_Section, frozen=True):
     # and routed around. Heartbeats come from their own thread, so a long step is not death.
     stall_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     max_requests: Positive = 4096  # in flight at once; beyond it a 429 with Retry-After
+    # A draining worker (SIGTERM, `orchestrator drain`, `orchestrator scale` down) finishes its
+    # requests for up to this long, then exits anyway and what it still holds fails.
+    drain_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
 class ContextWorkersConfig(_Section, frozen=True):

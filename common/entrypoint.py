@@ -1,6 +1,11 @@
 """What every process's `main.py` does: read its arguments and cluster.yaml, set up logging, turn
 SIGTERM / SIGINT into a flag its loop checks (so shutdown frees what the process holds), and, for
-workers, register and run the step loop."""
+workers, register and run the step loop.
+
+A worker tells the two signals apart: SIGINT stops it now (Ctrl-C; `orchestrator up` stopping the
+whole cluster, where there is nobody left to finish requests for), SIGTERM drains it (what
+Kubernetes sends a pod, and `orchestrator scale` a worker it removes): no new work, what it holds
+finishes within `orchestrator.drain_timeout_seconds`, then it leaves and exits 0."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -78,7 +84,17 @@ class Worker(Protocol):
 
     def step(self) -> None: ...
 
+    def idle(self) -> bool: ...
+
     def close(self) -> None: ...
+
+
+def worker_signals() -> tuple[threading.Event, threading.Event]:
+    """(stop, drain): set by SIGINT and SIGTERM respectively."""
+    stop, drain = threading.Event(), threading.Event()
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGTERM, lambda signum, frame: drain.set())
+    return stop, drain
 
 
 def run_worker(
@@ -86,10 +102,10 @@ def run_worker(
     make_worker: Callable[[ClusterConfig, str, zmq.Context], Worker],
     argv: list[str] | None = None,
 ) -> None:
-    """A worker process: build it, register, step until SIGTERM / SIGINT, release everything."""
+    """A worker process: build it, register, step until SIGINT or drained, release everything."""
     config, worker_id = parse_args(description, argv)
     setup_logging(worker_id)
-    stop = stop_on_signals()
+    stop, drain = worker_signals()
     context = zmq.Context()
     authenticator = secure_context(context, config)
     worker = make_worker(config, worker_id, context)
@@ -99,11 +115,40 @@ def run_worker(
             return
         worker.on_registered(registered)
         logger.info("registered with the orchestrator at %s", config.orchestrator.address)
+        drain_started: float | None = None
         while not stop.is_set():
+            if drain.is_set():
+                worker.link.drain()
+            if worker.link.draining and drain_started is None:
+                drain_started = time.monotonic()
             worker.step()
+            if drain_started is not None and drain_done(worker, config, drain_started):
+                worker.link.leave()
+                break
     finally:
         worker.close()
         if authenticator is not None:
             authenticator.stop()
         context.term()
         logger.info("stopped")
+
+
+def drain_done(worker: Worker, config: ClusterConfig, started: float) -> bool:
+    """A draining worker may leave: it is drained, or its drain time is up (what it still holds
+    fails), or it holds nothing and the orchestrator has not answered its Drain for a worker
+    timeout (gone: nothing new can come from it)."""
+    link, idle, waited_s = worker.link, worker.idle(), time.monotonic() - started
+    if link.drained(idle):
+        logger.info("drained: leaving")
+        return True
+    if waited_s > config.orchestrator.drain_timeout_seconds:
+        logger.warning("still busy after the %.0f s drain timeout: leaving anyway", waited_s)
+        return True
+    if (
+        idle
+        and link.drain_in_flight is None
+        and waited_s > config.orchestrator.worker_timeout_seconds
+    ):
+        logger.warning("the orchestrator never answered the drain: leaving")
+        return True
+    return False

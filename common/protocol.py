@@ -10,6 +10,8 @@
     worker ──Register / Heartbeat───────────────────▶ orchestrator ──Registered / Refused──▶ worker
     generation worker ──PeersRequest────────────────▶ orchestrator ──Registered──▶ that worker
     orchestrator ──RegisterAgain────────────────────▶ worker it does not know (it restarted)
+    worker (SIGTERM), CLI ──Drain───────────────────▶ orchestrator ──Drain (in_flight)──▶ worker
+    drained worker ──Leaving────────────────────────▶ orchestrator (forgets it; it exits 0)
     orchestrator ──PrefillRequest / Abort───────────▶ context worker
     context worker ──PrefillDone / RequestFailed────▶ orchestrator
     orchestrator ──DecodeRequest / Abort────────────▶ generation worker
@@ -40,7 +42,7 @@ from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 Role = Literal["context", "generation", "postproc", "frontend"]
 
@@ -184,6 +186,26 @@ class RegisterAgain(_Message, tag="register_again"):
     restarted)."""
 
 
+class Drain(_Message, tag="drain"):
+    """Take `worker_id` out of service without failing anything: no new work goes to it, what
+    it holds finishes, then it leaves and exits 0.
+
+    To the orchestrator (from the worker itself on SIGTERM, or from `orchestrator drain`): mark
+    it draining. To the worker (on marking, and whenever the count changes): nothing new will
+    follow this message, and `in_flight` requests in the orchestrator's table still pass through
+    it (a postproc worker's may not have reached it yet); it may go once that is 0 and it holds
+    nothing itself (requests, KV leases, pulls)."""
+
+    worker_id: str
+    in_flight: int = 0
+
+
+class Leaving(_Message, tag="leaving"):
+    """A drained worker's last message: forget it now (no dead record, no timeout)."""
+
+    worker_id: str
+
+
 class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sent with each heartbeat: what /cluster_info, /metrics and the routers need. Totals count
     since the worker started."""
@@ -304,7 +326,7 @@ class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
     role: str  # orchestrator | context | generation | postproc | frontend
     pid: int
     address: str
-    state: str  # ready | stalled (alive, its loop not progressing) | dead
+    state: str  # ready | stalled (alive, its loop not progressing) | draining | dead
     progress_age_s: float = 0.0  # since its loop last finished a step
     events_address: str = ""  # its KV-event PUB socket, if it publishes
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
@@ -379,6 +401,8 @@ Message = (
     | Registered
     | Refused
     | RegisterAgain
+    | Drain
+    | Leaving
     | Heartbeat
     | PeersRequest
     | PrefillRequest

@@ -6,6 +6,11 @@ code 2, which the supervisor does not restart; an orchestrator that restarted an
 the worker, or declared it dead, answers a heartbeat with RegisterAgain, and the worker registers
 again.
 
+Drain (SIGTERM, `orchestrator drain`, scaling down) is the link's too, the same for every worker:
+the worker asks with `drain()`, the orchestrator answers Drain(in_flight) once it routes nothing
+new to the worker, and `drained()` says when the worker may leave: that answer came, nothing in
+the orchestrator's table passes through it, and the worker's own `idle()` holds.
+
 Liveness is apart from progress: heartbeats go out from a thread of their own, on a socket of
 their own, every `heartbeat_interval_seconds` whatever the loop is doing (torch releases the GIL
 in its kernels), so a long engine step no longer looks like a dead worker. Each heartbeat says
@@ -30,7 +35,9 @@ import zmq
 
 from common.config import OrchestratorConfig
 from common.protocol import (
+    Drain,
     Heartbeat,
+    Leaving,
     Message,
     Refused,
     Register,
@@ -46,6 +53,7 @@ logger = logging.getLogger(__name__)
 EXIT_REFUSED = 2
 EXIT_ENGINE_FAULT = 3  # an engine step raised: the supervisor restarts the worker
 STATS_WAIT_S = 0.05  # how long a heartbeat waits for the loop to read fresh stats
+LEAVE_LINGER_MS = 2000  # a drained worker's last messages get this long to go out
 
 
 class OrchestratorLink:
@@ -78,6 +86,8 @@ class OrchestratorLink:
         self._register_again = threading.Event()
         self._stop_heartbeats = threading.Event()
         self._heartbeats: threading.Thread | None = None
+        self.draining = False
+        self.drain_in_flight: int | None = None  # the orchestrator's count; None: not answered
 
     @property
     def worker_id(self) -> str:
@@ -113,6 +123,12 @@ class OrchestratorLink:
             if isinstance(message, RegisterAgain):
                 self._send_register_again()
                 continue
+            if isinstance(message, Drain):
+                if not self.draining:
+                    logger.info("%s: draining (asked by the orchestrator)", self.worker_id)
+                self.draining = True
+                self.drain_in_flight = message.in_flight
+                continue
             if isinstance(message, Registered):
                 self.registered = message
                 self.peers_version = message.peers_version
@@ -129,6 +145,25 @@ class OrchestratorLink:
             )
             send(self.socket, self.register_message)
             self._registered_at = time.monotonic()
+            if self.draining:  # the new record is ready: mark it draining again
+                self.drain_in_flight = None
+                send(self.socket, Drain(worker_id=self.worker_id))
+
+    def drain(self) -> None:
+        """Ask the orchestrator to route nothing new here; see `drained`."""
+        if not self.draining:
+            logger.info("%s: draining: finishing what it holds, then leaving", self.worker_id)
+            self.draining = True
+            send(self.socket, Drain(worker_id=self.worker_id))
+
+    def drained(self, idle: bool) -> bool:
+        """Draining, nothing more can arrive, and nothing is left (`idle`: the worker's own)."""
+        return self.draining and self.drain_in_flight == 0 and idle
+
+    def leave(self) -> None:
+        """The last message of a drained worker; it then closes (its messages go out first)."""
+        send(self.socket, Leaving(worker_id=self.worker_id))
+        self.close(linger_ms=LEAVE_LINGER_MS)
 
     def send(self, message: Message) -> None:
         send(self.socket, message)

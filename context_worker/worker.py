@@ -207,6 +207,10 @@ class ContextWorker:
         self.first_tokens.pop(request_id, None)
         self.leases.release(request_id)
 
+    def idle(self) -> bool:
+        """Nothing to finish: no prefill running, no lease a reader may still need."""
+        return not self.prefilling and not self.leases and not self.engine.has_unfinished()
+
     def answer_profile(self, done: ProfileDone | None) -> None:
         if done is not None:
             self.link.send(done)

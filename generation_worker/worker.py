@@ -506,6 +506,10 @@ class GenerationWorker:
         self.engine.abort(request_id)
         self.end(active)
 
+    def idle(self) -> bool:
+        """Nothing to finish: no request decoding, waiting or pulling, no output unsent."""
+        return not (self.active or self.pulls or self.waiting or self.outbox)
+
     def answer_profile(self, done: ProfileDone | None) -> None:
         if done is not None:
             self.link.send(done)

@@ -1,24 +1,32 @@
-"""The `orchestrator` command: build a builtin model, bring a cluster up, report its status."""
+"""The `orchestrator` command: build a builtin model, bring a cluster up, report its status,
+scale it, drain a worker."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import zmq
 
 from common.builtin_models import TINY, builtin_model, resolve_model_dir
 from common.config import ClusterConfig, ConfigError, load_cluster_config
-from common.curve import ClusterKeys, generate_keys, load_keys
+from common.curve import ClusterKeys, as_client, generate_keys, load_keys
 from common.model_cache import is_verified
-from orchestrator.run_records import RECORDS_DIR, running_clusters
-from orchestrator.supervisor import query_cluster_info, run_cluster
+from common.protocol import ClusterInfo, Drain
+from common.transport import make_socket, send
+from orchestrator.run_records import RECORDS_DIR, RunRecord, request_scale, running_clusters
+from orchestrator.supervisor import WORKER_MODULES, query_cluster_info, run_cluster
 
 STATUS_TIMEOUT_S = 2.0
+WAIT_POLL_S = 0.5
 
 
 def build_model(model: str, dtype: str = "float32") -> int:
@@ -145,9 +153,11 @@ def status(config_path: str | None, records_dir: Path = RECORDS_DIR) -> int:
     return 0
 
 
-def probe(worker_id: str, config_path: str | None) -> int:
-    """0 when the orchestrator lists `worker_id` as ready: a worker's Kubernetes probe (workers
-    serve no HTTP; being registered and heartbeating is their health)."""
+def probe(worker_id: str, config_path: str | None, alive: bool = False) -> int:
+    """0 when the orchestrator lists `worker_id` as ready (can take work: not stalled, not
+    draining), or with `alive` as alive (ready, stalled or draining): a worker's Kubernetes
+    readiness and liveness probes (workers serve no HTTP; being registered and heartbeating is
+    their health)."""
     config = load_config(config_path)
     if config is None:
         return 2
@@ -157,10 +167,106 @@ def probe(worker_id: str, config_path: str | None) -> int:
     if info is None:
         print("error: the orchestrator did not answer", file=sys.stderr)
         return 1
-    ready = any(w.worker_id == worker_id and w.state == "ready" for w in info.workers)
+    states = ("ready", "stalled", "draining") if alive else ("ready",)
+    ready = any(w.worker_id == worker_id and w.state in states for w in info.workers)
     if not ready:
-        print(f"error: {worker_id} is not registered and ready", file=sys.stderr)
+        print(f"error: {worker_id} is not registered and {states[-1]}", file=sys.stderr)
     return 0 if ready else 1
+
+
+def drain(worker_id: str, config_path: str | None, timeout_s: float | None) -> int:
+    """Ask the orchestrator to drain `worker_id` and wait until it has left: a worker pod's
+    preStop hook (Kubernetes then sends SIGTERM, which finds it gone or draining already).
+    0 when it left (or was not there), 1 when it is still there after the timeout."""
+    config = load_config(config_path)
+    if config is None:
+        return 2
+    address = config.orchestrator.address
+    keys = client_keys(config, address, config.security.keys_dir, RECORDS_DIR)
+    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER)
+    as_client(sock, keys)
+    sock.connect(address)
+    try:
+        send(sock, Drain(worker_id=worker_id))
+    finally:
+        sock.close(linger=int(STATUS_TIMEOUT_S * 1000))
+    wait_s = config.orchestrator.drain_timeout_seconds + 5 if timeout_s is None else timeout_s
+
+    def gone(info: ClusterInfo) -> bool:
+        return not any(w.worker_id == worker_id and w.state != "dead" for w in info.workers)
+
+    if wait_for_cluster(address, keys, gone, wait_s):
+        return 0
+    print(f"error: {worker_id} has not left after {wait_s:.0f}s", file=sys.stderr)
+    return 1
+
+
+def wait_for_cluster(
+    address: str, keys: ClusterKeys | None, done: Callable[[ClusterInfo], bool], timeout_s: float
+) -> bool:
+    """Poll ClusterInfo until `done` holds; False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = query_cluster_info(address, timeout_s=STATUS_TIMEOUT_S, keys=keys)
+        if info is not None and done(info):
+            return True
+        time.sleep(WAIT_POLL_S)
+    return False
+
+
+def parse_counts(items: list[str], config: ClusterConfig) -> dict[str, int] | str:
+    """`generation=3 context=1` as {role: count}, or why not."""
+    roles = [r for r in WORKER_MODULES if r != "context" or config.mode == "disaggregated"]
+    counts = {}
+    for item in items:
+        role, _, count = item.partition("=")
+        if role not in roles or not count.isdigit() or int(count) < 1:
+            return f"{item!r}: want ROLE=N with N >= 1 and ROLE one of {', '.join(roles)}"
+        counts[role] = int(count)
+    return counts
+
+
+def scale(
+    items: list[str], config_path: str | None, timeout_s: float, records_dir: Path = RECORDS_DIR
+) -> int:
+    """Have the cluster `orchestrator up` runs here (the one started with `config_path`, when
+    given) run these numbers of workers, and wait until it does: the new ones ready, the
+    removed ones drained and gone."""
+    running = running_clusters(records_dir)
+    if config_path is not None:
+        running = [r for r in running if r.config_path == os.path.abspath(config_path)]
+    if len(running) != 1:
+        print(f"error: {len(running)} clusters run here; `orchestrator scale` needs one started "
+              "by `orchestrator up` (name its cluster.yaml with --config)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    record = running[0]
+    config = load_config(record.config_path)
+    if config is None:
+        return 2
+    counts = parse_counts(items, config)
+    if isinstance(counts, str):
+        print(f"error: {counts}", file=sys.stderr)
+        return 2
+    request_scale(record.pid, counts, records_dir)
+    if wait_for_cluster(record.orchestrator_address, record_keys(config, record),
+                        lambda info: scaled(info, counts), timeout_s):  # fmt: skip
+        return 0
+    print(f"error: the cluster did not reach {counts} in {timeout_s:.0f}s", file=sys.stderr)
+    return 1
+
+
+def record_keys(config: ClusterConfig, record: RunRecord) -> ClusterKeys | None:
+    return load_keys(Path(record.keys_dir)) if config.security.curve and record.keys_dir else None
+
+
+def scaled(info: ClusterInfo, counts: dict[str, int]) -> bool:
+    """Exactly `count` workers of each role, all ready (none draining, none starting)."""
+    for role, count in counts.items():
+        states = [w.state for w in info.workers if w.role == role and w.state != "dead"]
+        if len(states) != count or any(state != "ready" for state in states):
+            return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("probe", help="exit 0 when a worker is registered and ready")
     check.add_argument("worker_id")
     check.add_argument("config", nargs="?", help="cluster.yaml (default: the built-in one)")
+    check.add_argument("--alive", action="store_true",
+                       help="pass while stalled or draining too (a liveness probe)")  # fmt: skip
+    resize = commands.add_parser(
+        "scale", help="run N workers of a role in the cluster `orchestrator up` runs here"
+    )
+    resize.add_argument("counts", nargs="+", metavar="ROLE=N", help="generation=3 context=1 ...")
+    resize.add_argument("--config", help="the cluster.yaml it was started with")
+    resize.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="wait this long for the new size (default: 300)")  # fmt: skip
+    retire = commands.add_parser(
+        "drain", help="drain a worker (no new work, its requests finish) and wait until it left"
+    )
+    retire.add_argument("worker_id")
+    retire.add_argument("config", nargs="?", help="cluster.yaml (default: the built-in one)")
+    retire.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="default: orchestrator.drain_timeout_seconds + 5")  # fmt: skip
     for command in (start, report):
         command.add_argument(
             "config", nargs="?", help="cluster.yaml (default: the built-in local cluster)"
@@ -204,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return status(args.config)
     if args.command == "probe":
-        return probe(args.worker_id, args.config)
+        return probe(args.worker_id, args.config, args.alive)
+    if args.command == "scale":
+        return scale(args.counts, args.config, args.timeout)
+    if args.command == "drain":
+        return drain(args.worker_id, args.config, args.timeout)
     return 2
 
 

@@ -28,11 +28,13 @@ from common.protocol import (
     ClusterInfo,
     ClusterInfoRequest,
     DecodeRequest,
+    Drain,
     DrainKVEvents,
     GenerateRequest,
     Heartbeat,
     KVEvents,
     KVEventsDrained,
+    Leaving,
     Message,
     PeersRequest,
     PrefillDone,
@@ -129,6 +131,10 @@ class Orchestrator:
             out.append((message.worker_id.encode(), self.peers()))
         elif isinstance(message, Register):
             self.on_register(sender, message, now, out)
+        elif isinstance(message, Drain):
+            self.on_drain(message, out)
+        elif isinstance(message, Leaving):
+            self.on_leaving(message, out)
         elif isinstance(message, ClusterInfoRequest):
             out.append((sender, self.cluster_info(now)))
         elif isinstance(message, KVEvents):
@@ -157,6 +163,7 @@ class Orchestrator:
                 now - worker.last_seen,
             )
             self.worker_lost(worker, out)
+        self.tell_draining(out)
         self.check_profile_round(now, out)
         self.update_peers(out)
         return out
@@ -215,6 +222,37 @@ class Orchestrator:
             out.append((worker.worker_id.encode(), RegisterAgain()))
         elif worker.role == "generation" and message.peers_version != self.peers_version:
             out.append((worker.worker_id.encode(), self.peers()))  # a lost or missed update
+
+    # --- drain (scaling down, a Kubernetes pod's preStop) ---------------------------------------
+
+    def on_drain(self, message: Drain, out: Outbox) -> None:
+        """Take a worker out of routing; it is told (and told again, each time the number
+        changes) how many requests in the table still pass through it."""
+        worker = self.registry.drain(message.worker_id)
+        if worker is None:
+            logger.warning("drain of %s ignored: no such live worker", message.worker_id)
+            return
+        worker.drain_in_flight_told = None  # a repeated Drain (the worker registered again)
+        self.tell_draining(out)
+
+    def tell_draining(self, out: Outbox) -> None:
+        for worker in self.registry.workers.values():
+            if not worker.draining:
+                continue
+            in_flight = sum(1 for r in self.requests.values() if self.touches(r, worker))
+            if in_flight != worker.drain_in_flight_told:
+                worker.drain_in_flight_told = in_flight
+                drain = Drain(worker_id=worker.worker_id, in_flight=in_flight)
+                out.append((worker.worker_id.encode(), drain))
+
+    def on_leaving(self, message: Leaving, out: Outbox) -> None:
+        """A drained worker exits: forget it at once. Anything it still held (it ran out of
+        drain time) fails now, as a dead worker's requests do."""
+        worker = self.registry.leave(message.worker_id)
+        if worker is None:
+            return
+        logger.info("%s %s left (drained)", worker.role, worker.worker_id)
+        self.worker_lost(worker, out)
 
     def on_kv_events(self, message: KVEvents) -> None:
         """Feed the router's index and the /kv_cache_events queue, in event order."""

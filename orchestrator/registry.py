@@ -3,10 +3,14 @@
     ready ──heartbeat says its loop has not finished a step for stall_timeout_s──▶ stalled
       ▲ ◀──────────────────────────── a heartbeat with recent progress ───────────┘
       └── registers again ◀── dead ◀── no heartbeat for worker_timeout_s (from ready or stalled)
+    ready / stalled ──Drain──▶ draining ──Leaving──▶ forgotten     (or ──silence──▶ dead)
+
 
 Heartbeats come from a thread of their own (common/worker_link.py), so `dead` means the process
 is stopped, gone, wedged or cut off, never merely busy; `stalled` means alive but not
-progressing: it keeps its requests, and new work goes to ready workers first. A dead worker heard
+progressing: it keeps its requests, and new work goes to ready workers first. `draining` is alive
+and gets no new work at all: it finishes what it holds (a context worker's leases stay readable,
+so it stays a KV peer), then says it is leaving and is forgotten. A dead worker heard
 from again is asked to register again (orchestrator.py says why), and a restarted one registers
 under its old id: either way its new registration replaces the record.
 """
@@ -36,11 +40,12 @@ class WorkerRecord:
     last_seen: float
     events_address: str = ""
     instance: str = ""  # Register.instance: which process start this record is
-    state: str = "ready"  # ready | stalled | dead
+    state: str = "ready"  # ready | stalled | draining | dead
     progress_age_s: float = 0.0  # from its last heartbeat
     stats: WorkerStats = field(default_factory=WorkerStats)
     active_tokens: int = 0  # prompt + max_tokens of the requests routed here and not yet ended
     request_ids: set[str] = field(default_factory=set)
+    drain_in_flight_told: int | None = None  # draining: the Drain.in_flight last sent to it
 
     @property
     def ready(self) -> bool:
@@ -49,6 +54,10 @@ class WorkerRecord:
     @property
     def alive(self) -> bool:
         return self.state != "dead"
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
 
     def info(self, now: float) -> WorkerInfo:
         stats = msgspec.structs.asdict(self.stats)
@@ -108,6 +117,10 @@ class Registry:
         if not worker.alive:
             return worker
         worker.progress_age_s = message.progress_age_s
+        if message.stats is not None:
+            worker.stats = message.stats
+        if worker.draining:
+            return worker  # until it leaves: progress or not, it takes no new work
         state = "stalled" if message.progress_age_s > self.stall_timeout_s else "ready"
         if state != worker.state:
             log = logger.warning if state == "stalled" else logger.info
@@ -115,8 +128,23 @@ class Registry:
                 worker.worker_id, state, message.progress_age_s)  # fmt: skip
             worker.state = state
             self._changed()
-        if message.stats is not None:
-            worker.stats = message.stats
+        return worker
+
+    def drain(self, worker_id: str) -> WorkerRecord | None:
+        """Mark a live worker draining; None when there is no such live worker."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return None
+        if not worker.draining:
+            logger.info("%s %s is draining: no new work goes to it", worker.role, worker_id)
+            worker.state = "draining"
+            self._changed()
+        return worker
+
+    def leave(self, worker_id: str) -> WorkerRecord | None:
+        """Forget a worker that left on purpose; the record, or None if it was not known."""
+        worker = self.workers.pop(worker_id, None)
+        self._changed()
         return worker
 
     def expire(self, now: float) -> list[WorkerRecord]:
@@ -148,13 +176,13 @@ class Registry:
         return self._with_role(role, ready_only=True)
 
     def live(self, role: str) -> tuple[WorkerRecord, ...]:
-        """Ready or stalled: alive, so still a peer and still holding its requests."""
+        """Ready, stalled or draining: alive, so still a peer and still holding its requests."""
         return self._with_role(role, ready_only=False)
 
     def routable(self, role: str) -> tuple[WorkerRecord, ...]:
         """Where new work goes: the ready workers, or, when every live one is stalled, those
-        (a request queued on a slow worker beats a 503)."""
-        return self.ready(role) or self.live(role)
+        (a request queued on a slow worker beats a 503); never a draining one."""
+        return self.ready(role) or tuple(w for w in self.live(role) if not w.draining)
 
     def _with_role(self, role: str, ready_only: bool) -> tuple[WorkerRecord, ...]:
         """By worker id; computed once per change of the registry."""

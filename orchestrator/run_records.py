@@ -3,7 +3,9 @@ one without being given its cluster.yaml.
 
 Each supervisor writes ~/.cache/pdcluster/clusters/<pid>.json while it runs and removes it when
 it stops; a record whose process is gone (a supervisor killed with SIGKILL) is stale and deleted
-by the next reader.
+by the next reader. `orchestrator scale` leaves its wanted counts beside it in
+<pid>.scale.json, which the supervisor takes up: the directory is this user's, so only this
+user (or root) can ask.
 """
 
 from __future__ import annotations
@@ -33,10 +35,35 @@ def write_record(record: RunRecord, records_dir: Path = RECORDS_DIR) -> Path:
     return path
 
 
+def scale_request_path(pid: int, records_dir: Path = RECORDS_DIR) -> Path:
+    return records_dir / f"{pid}.scale.json"
+
+
+def request_scale(pid: int, counts: dict[str, int], records_dir: Path = RECORDS_DIR) -> None:
+    """Ask the supervisor `pid` for these worker counts (merged with a request not taken yet)."""
+    path = scale_request_path(pid, records_dir)
+    wanted = {**take_scale_request(path), **counts}
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(msgspec.json.encode(wanted))
+    partial.rename(path)  # whole or not at all: the supervisor may read it any time
+
+
+def take_scale_request(path: Path) -> dict[str, int]:
+    """The counts asked for since the last call (and forget them); {} when none."""
+    try:
+        data = path.read_bytes()
+        path.unlink()
+        return msgspec.json.decode(data, type=dict[str, int])
+    except (OSError, msgspec.DecodeError):
+        return {}
+
+
 def running_clusters(records_dir: Path = RECORDS_DIR) -> list[RunRecord]:
     """The records of live supervisors, oldest pid first; stale records are removed."""
     records = []
     for path in sorted(records_dir.glob("*.json")):
+        if not path.stem.isdigit():
+            continue  # <pid>.scale.json
         try:
             record = msgspec.json.decode(path.read_bytes(), type=RunRecord)
         except (OSError, msgspec.DecodeError):

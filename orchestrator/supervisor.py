@@ -2,9 +2,15 @@
 
 The supervisor is a plain synchronous loop over child processes (no torch, no asyncio). Each child
 is `sys.executable -m <package>.main`, in its own session, so a Ctrl-C in the terminal reaches only
-the supervisor, which then stops the children itself: SIGTERM to each process group, a grace
-period, SIGKILL to what is left. On Linux each child also gets PR_SET_PDEATHSIG=SIGTERM, so it is
-told to stop even when the supervisor itself is killed with SIGKILL.
+the supervisor, which then stops the children itself: SIGINT to each process group (stop now: the
+whole cluster goes, so a worker has nobody to drain for), a grace period, SIGKILL to what is left.
+On Linux each child also gets PR_SET_PDEATHSIG=SIGINT, so it is told to stop even when the
+supervisor itself is killed with SIGKILL.
+
+`orchestrator scale ROLE=N` writes the wanted counts to `<pid>.scale.json` beside the run record;
+the loop takes it up: new workers get the lowest free index, and the highest-numbered ones are
+sent SIGTERM, which drains them (common/entrypoint.py). A worker that exits 0 drained on purpose
+(scaled down, `orchestrator drain`) and is not restarted.
 
 Child stdout and stderr are inherited: one interleaved stream in which each process's log lines
 carry its worker id (common.entrypoint.setup_logging), and a crashed child's traceback appears
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import itertools
 import logging
 import os
 import shutil
@@ -35,7 +43,7 @@ from common.curve import KEYS_ENV, ClusterKeys, as_client, generate_keys, load_k
 from common.protocol import ClusterInfo, ClusterInfoRequest
 from common.transport import make_socket, recv, send
 from common.worker_link import EXIT_REFUSED
-from orchestrator.run_records import RunRecord, write_record
+from orchestrator.run_records import RunRecord, scale_request_path, take_scale_request, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,13 @@ logger = logging.getLogger(__name__)
 SERVING = "Serving on "
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+RETIRE_MARGIN_S = 10.0  # past its drain timeout, a retiring worker is killed after this long
+WORKER_PREFIXES = {"context": "ctx", "generation": "gen", "postproc": "pp"}
+WORKER_MODULES = {
+    "context": "context_worker.main",
+    "generation": "generation_worker.main",
+    "postproc": "postproc_worker.main",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +90,32 @@ def process_specs(
         return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail), env)
 
     specs = [spec("orchestrator", "orchestrator", "orchestrator.main", named=False)]
-    if config.mode == "disaggregated":
-        for i in range(config.context_workers.count):
-            specs.append(spec(f"ctx-{i}", "context", "context_worker.main"))
-    for i in range(config.generation_workers.count):
-        specs.append(spec(f"gen-{i}", "generation", "generation_worker.main"))
-    for i in range(config.postproc_workers.count):
-        specs.append(spec(f"pp-{i}", "postproc", "postproc_worker.main"))
+    counts = {
+        "context": config.context_workers.count if config.mode == "disaggregated" else 0,
+        "generation": config.generation_workers.count,
+        "postproc": config.postproc_workers.count,
+    }
+    for role, count in counts.items():
+        specs.extend(worker_spec(role, i, config_path=config_path, keys_dir=keys_dir)
+                     for i in range(count))  # fmt: skip
     for i in range(config.frontend.processes):
         specs.append(spec(f"fe-{i}", "frontend", "frontend.main"))
     return specs
+
+
+def worker_spec(
+    role: str, index: int, config_path: str | None, keys_dir: str | None
+) -> ProcessSpec:
+    """Worker `index` of a role (context, generation, postproc): `gen-3` for ("generation", 3)."""
+    tail = ("--config", config_path) if config_path else ()
+    worker_id = f"{WORKER_PREFIXES[role]}-{index}"
+    argv = (sys.executable, "-m", WORKER_MODULES[role], "--worker-id", worker_id, *tail)
+    env: tuple[tuple[str, str], ...] = ((KEYS_ENV, keys_dir),) if keys_dir else ()
+    return ProcessSpec(worker_id, role, argv, env)
+
+
+def worker_index(worker_id: str) -> int:
+    return int(worker_id.rpartition("-")[2])
 
 
 @dataclass(slots=True)
@@ -98,6 +129,7 @@ class Child:
     restart_at: float | None = None  # monotonic time a crashed child is due to start again
     num_restarts: int = 0
     gave_up: bool = False  # exited with EXIT_REFUSED: left down on purpose
+    retire_by: float | None = None  # scaled down: draining, killed if still running by then
 
 
 class Supervisor:
@@ -138,6 +170,10 @@ class Supervisor:
         for child in self.exited():
             self._on_exit(child, now)
         for child in self.children:
+            if child.retire_by is not None and now > child.retire_by and child.process:
+                logger.warning("%s did not drain in time: killing it", child.spec.worker_id)
+                _signal_group(child.process, signal.SIGKILL)
+        for child in self.children:
             if child.restart_at is not None and now >= child.restart_at:
                 child.restart_at = None
                 child.num_restarts += 1
@@ -147,6 +183,11 @@ class Supervisor:
         assert child.process is not None
         process, child.process = child.process, None
         what = f"{child.spec.worker_id} (pid {process.pid}) {describe_exit(process)}"
+        drained = process.returncode == 0 and child.spec.role in WORKER_MODULES
+        if child.retire_by is not None or drained:
+            self.children.remove(child)  # drained on purpose: the cluster is smaller now
+            logger.info("%s: drained, removed (not restarted)", what)
+            return
         # Refused (duplicate id, protocol version) or misconfigured (argparse): it would only fail
         # the same way again.
         if process.returncode == EXIT_REFUSED:
@@ -160,20 +201,46 @@ class Supervisor:
         child.restart_at = now + child.backoff_s
         child.backoff_s = min(child.backoff_s * 2, self.backoff_max_s)
 
+    def scale(
+        self, role: str, count: int, make_spec: Callable[[int], ProcessSpec], drain_s: float
+    ) -> None:
+        """Run `count` workers of `role`: start new ones at the lowest free indexes, or drain
+        (SIGTERM) the highest-numbered ones, which leave by themselves within `drain_s`."""
+        serving = sorted(
+            (c for c in self.children if c.spec.role == role and c.retire_by is None),
+            key=lambda c: worker_index(c.spec.worker_id),
+        )
+        for child in serving[count:]:
+            logger.info("scaling %s down: draining %s", role, child.spec.worker_id)
+            child.retire_by = time.monotonic() + drain_s + RETIRE_MARGIN_S
+            child.restart_at = None
+            if child.process is None:
+                self.children.remove(child)
+            else:
+                _signal_group(child.process, signal.SIGTERM)
+        taken = {worker_index(c.spec.worker_id) for c in self.children if c.spec.role == role}
+        free = (i for i in itertools.count() if i not in taken)
+        for index in itertools.islice(free, max(0, count - len(serving))):
+            child = Child(make_spec(index), backoff_s=self.backoff_initial_s)
+            self.children.append(child)
+            logger.info("scaling %s up: starting %s", role, child.spec.worker_id)
+            self._start(child)
+
     def stop(self, timeout_s: float = 8.0) -> None:
-        """SIGTERM every child's process group, wait up to `timeout_s` in all, SIGKILL the rest."""
+        """SIGINT every child's process group (stop now, no drain), wait up to `timeout_s` in
+        all, SIGKILL the rest."""
         for child in self.children:
             child.restart_at = None
         running = [(c.spec.worker_id, c.process) for c in self.children if c.process is not None]
         for _, process in running:
-            _signal_group(process, signal.SIGTERM)
+            _signal_group(process, signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for worker_id, process in running:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning(
-                    "%s still running %.0fs after SIGTERM: killing it", worker_id, timeout_s
+                    "%s still running %.0fs after SIGINT: killing it", worker_id, timeout_s
                 )
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
@@ -196,7 +263,7 @@ def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """A preexec_fn that has Linux send the child SIGTERM when the supervisor dies, even by SIGKILL.
+    """A preexec_fn that has Linux send the child SIGINT when the supervisor dies, even by SIGKILL.
 
     PDEATHSIG fires when the forking *thread* ends, so children are started from the main thread.
     """
@@ -205,9 +272,9 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     libc = ctypes.CDLL(None, use_errno=True)
 
     def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT)
         if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
 
     return preexec
 
@@ -391,7 +458,13 @@ def run_cluster(
         assert report.info is not None
         print(format_table(report.info))
         print(f"{SERVING}http://{host}:{config.frontend.port}/v1", flush=True)
+        scale_path = scale_request_path(record.pid)
         while not stop.requested:
+            for role, count in take_scale_request(scale_path).items():
+                make_spec = functools.partial(
+                    worker_spec, role, config_path=config_path, keys_dir=keys_dir
+                )
+                supervisor.scale(role, count, make_spec, config.orchestrator.drain_timeout_seconds)
             supervisor.poll()
             time.sleep(0.2)
         return 0

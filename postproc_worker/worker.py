@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
@@ -35,6 +36,10 @@ from postproc_worker.formatter import RequestState
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+# A draining worker leaves only after this long without a batch: a request's last batch and
+# its RequestFinished leave the generation worker on different sockets, and the orchestrator's
+# Drain.in_flight can reach 0 just before the batch arrives.
+DRAIN_QUIET_S = 1.0
 
 
 class PostprocWorker:
@@ -48,6 +53,7 @@ class PostprocWorker:
         self.requests: dict[str, RequestState] = {}
         self.reply_to: dict[str, str] = {}
         self.push = PushSockets(context)
+        self.last_batch_at = time.monotonic()
         register = Register(
             worker_id=worker_id,
             role="postproc",
@@ -73,6 +79,7 @@ class PostprocWorker:
                 self.end(command.request_id, upstream=False)  # it failed elsewhere
         while (message := recv(self.tokens, "a worker")) is not None:
             if isinstance(message, TokenBatch):
+                self.last_batch_at = time.monotonic()
                 self.process(message)
         self.link.progress()
 
@@ -111,6 +118,11 @@ class PostprocWorker:
                 )
                 self.push.send(address, ending)
                 self.end(delta.request_id, upstream=out.abort_upstream)
+
+    def idle(self) -> bool:
+        """No stream open here (the orchestrator's Drain.in_flight counts the ones not here
+        yet), and no batch lately."""
+        return not self.requests and time.monotonic() - self.last_batch_at > DRAIN_QUIET_S
 
     def end(self, request_id: str, upstream: bool) -> None:
         del self.requests[request_id], self.reply_to[request_id]

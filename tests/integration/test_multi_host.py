@@ -124,10 +124,11 @@ def wait_serving(cluster: Cluster, processes: list[subprocess.Popen[bytes]]) -> 
 
 
 def stop_all(processes: list[subprocess.Popen[bytes]]) -> list[int]:
-    """SIGTERM each, wait, SIGKILL what is left; the pids that needed the SIGKILL."""
+    """SIGINT each (stop now: SIGTERM would drain the workers), wait, SIGKILL what is left;
+    the pids that needed the SIGKILL."""
     for process in processes:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     killed = []
     for process in processes:
@@ -167,7 +168,7 @@ def cluster(
             yield cluster
         finally:
             killed = stop_all(processes)
-    assert not killed, f"processes that ignored SIGTERM: {killed}"
+    assert not killed, f"processes that ignored SIGINT: {killed}"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from common.config import parse_cluster_config
+from common.config import ClusterConfig, parse_cluster_config
+from frontend.metrics import WORKER_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy/k8s/base"
@@ -33,12 +34,12 @@ def test_every_manifest_validates_strictly(doc: dict) -> None:
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
-def test_the_configmap_cluster_yaml_is_valid_and_matches_the_replicas() -> None:
-    config = parse_cluster_config(by_kind("ConfigMap")["pdcluster-config"]["data"]["cluster.yaml"])
-    sets = by_kind("StatefulSet")
-    assert sets["ctx"]["spec"]["replicas"] == config.context_workers.count
-    assert sets["gen"]["spec"]["replicas"] == config.generation_workers.count
-    assert sets["pp"]["spec"]["replicas"] == config.postproc_workers.count
+def cluster_config() -> ClusterConfig:
+    return parse_cluster_config(by_kind("ConfigMap")["pdcluster-config"]["data"]["cluster.yaml"])
+
+
+def test_the_configmap_cluster_yaml_is_valid_and_names_the_orchestrator_service() -> None:
+    config = cluster_config()
     assert config.orchestrator.address == "tcp://orchestrator:5550"  # the Service's name
     assert "orchestrator" in by_kind("Service")
 
@@ -73,7 +74,7 @@ def test_frontend_is_scraped_and_probed_on_real_endpoints() -> None:
 
 
 def test_every_pod_mounts_the_curve_keys_where_cluster_yaml_looks() -> None:
-    config = parse_cluster_config(by_kind("ConfigMap")["pdcluster-config"]["data"]["cluster.yaml"])
+    config = cluster_config()
     assert config.security.curve and config.security.keys_dir
     for doc in resources():
         if doc["kind"] not in ("Deployment", "StatefulSet"):
@@ -83,3 +84,31 @@ def test_every_pod_mounts_the_curve_keys_where_cluster_yaml_looks() -> None:
         assert volumes["curve-keys"]["secret"]["secretName"] == "pdcluster-curve-keys"
         mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
         assert mounts["curve-keys"]["mountPath"] == config.security.keys_dir, doc["metadata"]
+
+
+def test_workers_drain_before_they_stop_within_their_grace_period() -> None:
+    drain_s = cluster_config().orchestrator.drain_timeout_seconds
+    for name in ("ctx", "gen", "pp"):
+        spec = by_kind("StatefulSet")[name]["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert 'orchestrator drain "$POD_NAME"' in pre_stop[-1], name
+        # the drain command waits drain_timeout_seconds + 5 at most; SIGKILL only after that
+        assert spec["terminationGracePeriodSeconds"] > drain_s + 5, name
+        # ready: can take work (not draining); alive: heartbeating, draining or not
+        assert "--alive" not in container["readinessProbe"]["exec"]["command"][-1], name
+        assert "probe --alive" in container["livenessProbe"]["exec"]["command"][-1], name
+
+
+def test_the_generation_autoscaler_owns_the_replicas_on_metrics_the_adapter_serves() -> None:
+    hpa = by_kind("HorizontalPodAutoscaler")["gen"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "gen"}
+    assert "replicas" not in by_kind("StatefulSet")["gen"]["spec"]  # the HPA's, not apply's
+    assert 1 <= hpa["minReplicas"] < hpa["maxReplicas"]
+    rules = yaml.safe_load((BASE.parent / "prometheus-adapter-rules.yaml").read_text())
+    served = {rule["name"]["as"]: rule for rule in rules["external"]}
+    exported = {name for _, name, _, _ in WORKER_FAMILIES}
+    for metric in hpa["metrics"]:
+        rule = served[metric["external"]["metric"]["name"]]
+        series = rule["seriesQuery"].partition("{")[0]
+        assert series in exported, series  # a series the frontend's /metrics has

@@ -16,9 +16,11 @@ from common.protocol import (
     ClusterInfo,
     ClusterInfoRequest,
     DecodeRequest,
+    Drain,
     GenerateRequest,
     Heartbeat,
     KVPool,
+    Leaving,
     OutputOptions,
     PeersRequest,
     PrefillDone,
@@ -242,6 +244,66 @@ def test_role_lists_follow_every_registry_change_and_nothing_else() -> None:
     assert "ctx-0" not in registry.workers
     register(orch, "ctx-0", "context", now=62.0)
     assert context_ids(registry.routable("context")) == ["ctx-0"]
+
+
+def test_a_draining_worker_gets_no_new_work_but_keeps_its_requests() -> None:
+    orch = cluster(generations=2)
+    orch.handle(FRONTEND, generate("r0"), 0.0)
+    orch.handle(b"ctx-0", prefill_done("r0"), 0.0)
+    held = orch.requests["r0"].generation_worker
+    assert held is not None
+    # the worker asks (SIGTERM), and is told how many requests still pass through it
+    out = orch.handle(held.worker_id.encode(), Drain(worker_id=held.worker_id), 1.0)
+    assert out == [(held.worker_id.encode(), Drain(worker_id=held.worker_id, in_flight=1))]
+    heartbeat(orch, held.worker_id, 1.5, progress_age_s=0.1)  # progress does not undo it
+    assert held.state == "draining" and held.alive and not held.ready
+    other = "gen-1" if held.worker_id == "gen-0" else "gen-0"
+    for i in range(1, 5):
+        orch.handle(FRONTEND, generate(f"r{i}"), 2.0)
+        to, _ = only(orch.handle(b"ctx-0", prefill_done(f"r{i}"), 2.0))
+        assert to == other.encode()
+    finished = RequestFinished(request_id="r0", worker_id=held.worker_id, finish_reason="length")
+    orch.handle(held.worker_id.encode(), finished, 3.0)
+    assert orch.tick(3.0) == [(held.worker_id.encode(), Drain(worker_id=held.worker_id))]
+    assert orch.tick(3.1) == []  # told once per change
+    assert orch.handle(held.worker_id.encode(), Leaving(worker_id=held.worker_id), 4.0) == []
+    assert held.worker_id not in orch.registry.workers
+
+
+def test_a_draining_context_worker_stays_a_kv_peer_until_it_leaves() -> None:
+    orch = cluster(contexts=2)
+    orch.handle(b"cli", Drain(worker_id="ctx-0"), 0.0)
+    assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
+    for i in range(3):
+        to, _ = only(orch.handle(FRONTEND, generate(f"r{i}"), 1.0))
+        assert to == b"ctx-1"
+    orch.handle(b"ctx-0", Leaving(worker_id="ctx-0"), 2.0)
+    assert [p.agent_name for p in orch.peers().peers] == ["ctx-1-agent"]
+
+
+def test_a_worker_that_leaves_before_its_requests_end_fails_them() -> None:
+    orch = cluster()
+    orch.handle(FRONTEND, generate("r0"), 0.0)
+    orch.handle(b"ctx-0", prefill_done("r0"), 0.0)
+    orch.handle(b"gen-0", Drain(worker_id="gen-0"), 0.0)
+    out = orch.handle(b"gen-0", Leaving(worker_id="gen-0"), 60.0)  # its drain timed out
+    failed = [m for to, m in out if to == FRONTEND]
+    assert len(failed) == 1 and isinstance(failed[0], RequestFailed)
+    assert failed[0].status_code == 503 and not orch.requests
+
+
+def test_draining_the_last_worker_of_a_role_leaves_nothing_routable() -> None:
+    orch = cluster()
+    orch.handle(b"cli", Drain(worker_id="pp-0"), 0.0)
+    _, failed = only(orch.handle(FRONTEND, generate("r0"), 0.0))
+    assert isinstance(failed, RequestFailed) and failed.status_code == 503
+    _, info = only(orch.handle(b"cli", ClusterInfoRequest(), 0.0))
+    assert [w.state for w in info.workers if w.worker_id == "pp-0"] == ["draining"]
+
+
+def test_a_drain_of_an_unknown_worker_is_ignored() -> None:
+    orch = cluster()
+    assert orch.handle(b"cli", Drain(worker_id="gen-9"), 0.0) == []
 
 
 def test_heartbeat_from_an_unknown_worker_asks_it_to_register_again() -> None:

@@ -196,12 +196,47 @@ def test_child_exiting_with_code_2_is_not_restarted(
     assert "pp-0" in caplog.text and "not restarting" in caplog.text
 
 
-def test_stop_ends_every_child_within_10s_even_one_that_ignores_sigterm(
+def test_a_child_that_exits_0_drained_is_removed_not_restarted(
+    supervisors: list[Supervisor],
+) -> None:
+    supervisor = Supervisor([ProcessSpec("gen-1", "generation", python("pass"))])
+    supervisors.append(supervisor)
+    supervisor.start()
+    assert wait_for(lambda: supervisor.poll() or not supervisor.children)
+
+
+def test_scale_starts_the_lowest_free_ids_and_drains_the_highest_with_sigterm(
+    supervisors: list[Supervisor], tmp_path: Path
+) -> None:
+    drained = tmp_path / "drained"
+    drains = (  # exits 0 on SIGTERM, as a drained worker does
+        "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
+        f"(pathlib.Path({str(drained)!r}).touch(), sys.exit(0))); time.sleep(60)"
+    )
+
+    def make_spec(index: int) -> ProcessSpec:
+        return ProcessSpec(f"gen-{index}", "generation", python(drains))
+
+    supervisor = Supervisor([make_spec(0), ProcessSpec("pp-0", "postproc", python(SLEEPER))])
+    supervisors.append(supervisor)
+    supervisor.start()
+    supervisor.scale("generation", 3, make_spec, drain_s=5.0)
+    assert [c.spec.worker_id for c in supervisor.children] == ["gen-0", "pp-0", "gen-1", "gen-2"]
+    time.sleep(0.5)  # the children install their handlers
+    supervisor.scale("generation", 1, make_spec, drain_s=5.0)
+    assert wait_for(lambda: supervisor.poll() or len(supervisor.children) == 2)
+    assert [c.spec.worker_id for c in supervisor.children] == ["gen-0", "pp-0"]
+    assert drained.exists() and all(c.num_restarts == 0 for c in supervisor.children)
+    supervisor.scale("generation", 2, make_spec, drain_s=5.0)
+    assert supervisor.children[-1].spec.worker_id == "gen-1"
+
+
+def test_stop_ends_every_child_within_10s_even_one_that_ignores_sigint(
     supervisors: list[Supervisor], tmp_path: Path
 ) -> None:
     marker = tmp_path / "ignoring"
     stubborn = (
-        "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "import pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         f"pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"
     )
     supervisor = Supervisor(
@@ -217,7 +252,7 @@ def test_stop_ends_every_child_within_10s_even_one_that_ignores_sigterm(
     supervisor.stop(timeout_s=1.0)
     assert time.monotonic() - start < 10
     polite, stubborn_child = (c.process for c in supervisor.children)
-    assert polite is not None and polite.returncode == -signal.SIGTERM
+    assert polite is not None and polite.returncode == -signal.SIGINT  # stop now, not drain
     assert stubborn_child is not None and stubborn_child.returncode == -signal.SIGKILL
 
 

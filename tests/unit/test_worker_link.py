@@ -14,7 +14,9 @@ import zmq
 from common.config import OrchestratorConfig
 from common.protocol import (
     PROTOCOL_VERSION,
+    Drain,
     Heartbeat,
+    Leaving,
     Refused,
     Register,
     RegisterAgain,
@@ -135,6 +137,45 @@ def test_register_again_resends_the_registration(router) -> None:
                 break
     assert identity == b"gen-0"  # from the main socket
     link.close()
+
+
+def next_command(sock: zmq.Socket) -> object:
+    """The next message from the link's main socket (heartbeats skipped)."""
+    while True:
+        assert sock.poll(TIMEOUT_MS)
+        identity, frame = sock.recv_multipart()
+        if identity == b"gen-0":
+            return decode(frame)
+
+
+def test_a_drained_link_leaves_only_once_the_orchestrator_counts_nothing_in_flight(
+    router,
+) -> None:
+    sock, address = router
+    link = registered_link(sock, address)
+    link.drain()
+    assert next_command(sock) == Drain(worker_id="gen-0")
+    assert not link.drained(idle=True)  # not answered: work may still be on its way
+    send_to(sock, b"gen-0", Drain(worker_id="gen-0", in_flight=2))
+    assert wait_received(link) and link.drain_in_flight == 2
+    assert not link.drained(idle=True)
+    send_to(sock, b"gen-0", Drain(worker_id="gen-0", in_flight=0))
+    assert wait_received(link) and link.drain_in_flight == 0
+    assert not link.drained(idle=False) and link.drained(idle=True)
+    link.leave()
+    assert next_command(sock) == Leaving(worker_id="gen-0")
+
+
+def wait_received(link: OrchestratorLink) -> bool:
+    """Until a Drain the link consumes (it returns nothing) has been read."""
+    before = link.drain_in_flight
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        assert link.receive() == []
+        if link.drain_in_flight != before:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_malformed_frames_are_dropped_with_a_log_line(router, caplog) -> None:
