@@ -287,8 +287,8 @@ class PrefillDone(_Message, tag="prefill_done"):
     block_ids: list[int] = msgspec.field(default_factory=list)
     # How long the blocks stay leased, counted from when this was sent: a duration, since the
     # context and generation workers' clocks need not agree (the orchestrator forwards at once;
-    # the reader counts it from the start of its previous read of its socket, when this was not
-    # there yet, as it may read the socket late). 0: nothing leased.
+    # the reader counts it from a moment before this reached it: generation_worker/arrival.py).
+    # 0: nothing leased.
     lease_s: float = 0.0
     # the stages up to the first token
     times: StageTimes = msgspec.field(default_factory=StageTimes)

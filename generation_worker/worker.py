@@ -52,6 +52,7 @@ from engine.serving import (
     to_delta,
     worker_stats,
 )
+from generation_worker.arrival import ArrivalBound
 from generation_worker.pulls import Pull, plan_read
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class GenerationWorker:
         self.kv_pull_failures = 0
         self.prompts_recomputed = 0  # handed-off prompts prefilled here: their KV was gone
         self._peers_asked_at = 0.0
-        self._drained_at = time.monotonic()  # when the last read of the command socket began
+        self.arrivals = ArrivalBound(time.monotonic())  # what KV leases are counted from
         self.push = PushSockets(context)
         self.events = KVEventRelay(config, worker_id, context)
         self.profiler = EngineProfiler(
@@ -134,9 +135,8 @@ class GenerationWorker:
     def step(self) -> None:
         if not (self.engine.has_unfinished() or self.pulls or self.waiting):
             self.link.socket.poll(IDLE_POLL_MS)
-        # What this read returns was not there when the previous one began: KV leases are
-        # counted from then, since a long step or a stopped process reads its socket late.
-        arrived_after, self._drained_at = self._drained_at, time.monotonic()
+        # KV leases are counted from no later than the hand-off's arrival (arrival.py)
+        arrived_after = self.arrivals.read(time.monotonic())
         for message in self.link.receive():
             self.handle(message, arrived_after)
         self.start_pulls()
