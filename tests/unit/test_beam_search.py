@@ -107,6 +107,35 @@ def test_a_tight_block_pool_gives_the_same_beams(tiny_model_path: Path, llm, sto
     assert tight.engine.kv.usage.used == 0 and not scheduler.parked
 
 
+def test_parked_beams_give_their_blocks_back_when_nothing_else_can_run(
+    tiny_model_path: Path, llm
+) -> None:
+    """One beam parked with its offer, its sibling preempted and no block free for it: nothing
+    can run, so the parked beam gives its blocks back and computes its offer again later; the
+    hypotheses are those of an engine with room. (While the pool holds only one of the two,
+    they take turns: a fallback for pools held by others, who free them in time.)"""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_path), num_blocks=64, block_size=4))
+    prompt, params = list(range(10, 23)), beam_params(2, 1.0, False, 8, [])
+    engine.add_request("r", prompt, params)
+    outputs = engine.step()  # the prompt's step: two beams, running
+    scheduler = engine.scheduler
+    first, second = scheduler.running
+    scheduler._preempt(second)
+    engine.kv.allocate_slots("hog", engine.kv.num_free_blocks * 4)  # no block left for it
+    outputs += engine.step()  # the first beam offers and parks; the second cannot be admitted
+    assert first.status.value == "parked" and second.status.value == "waiting"
+    # nothing could run: the parked beam went back to the queue, and its blocks let the
+    # other in, which offered and parked in turn
+    outputs += engine.step()
+    assert first.status.value == "waiting" and first.num_computed_tokens == 0
+    assert second.status.value == "parked" and list(scheduler.parked.values()) == [second]
+    engine.kv.free("hog")
+    outputs += run_to_end(engine)
+    expected = llm.generate([prompt], params)[0].outputs
+    assert tokens_by_choice(outputs) == {c.index: c.token_ids for c in expected}
+    assert engine.kv.usage.used == 0
+
+
 def test_n_returns_the_best_n_of_the_beams(llm) -> None:
     prompt = TEST_PROMPTS[0]
     all_four = llm.generate([prompt], beam_params(4, 1.0, False, 12, []))[0].outputs
