@@ -289,6 +289,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_running(self) -> int:
+        """Sequences holding a decode slot: in the batch, or beams parked between steps."""
+        return len(self.scheduler.running) + len(self.scheduler.parked)
+
     def step(self) -> list[TokenOutput]:
         out = self.scheduler.schedule()
         if not out.chunks:

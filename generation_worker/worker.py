@@ -244,9 +244,7 @@ class GenerationWorker:
             assert decode.prefill is not None
             if self.lease_left_s(decode) < LEASE_MARGIN_S + MIN_READ_S:
                 self.prefill_here(decode)
-            elif (
-                blocked or len(self.pulls) + len(self.engine.scheduler.running) >= self.max_num_seqs
-            ):
+            elif blocked or len(self.pulls) + self.engine.num_running >= self.max_num_seqs:
                 still_waiting.append(decode)
             elif decode.prefill.agent_name not in self.agent.peer_names:
                 self.ask_for_peers()

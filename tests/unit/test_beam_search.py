@@ -120,10 +120,12 @@ def test_parked_beams_give_their_blocks_back_when_nothing_else_can_run(
     outputs = engine.step()  # the prompt's step: two beams, running
     scheduler = engine.scheduler
     first, second = scheduler.running
+    assert engine.num_running == 2  # what a generation worker counts against its slots
     scheduler._preempt(second)
     engine.kv.allocate_slots("hog", engine.kv.num_free_blocks * 4)  # no block left for it
     outputs += engine.step()  # the first beam offers and parks; the second cannot be admitted
     assert first.status.value == "parked" and second.status.value == "waiting"
+    assert engine.num_running == 1  # a parked beam keeps its slot
     # nothing could run: the parked beam went back to the queue, and its blocks let the
     # other in, which offered and parked in turn
     outputs += engine.step()
