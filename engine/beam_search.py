@@ -65,11 +65,9 @@ class BeamGroup:
         self._next_id += 1
         return f"{request_id}#beam{self._next_id}"
 
-    def offer(self, beam: Sequence, token_ids: list[int], logprobs: list[float]) -> None:
-        """A beam's best continuations: token ids and their log-probs given the beam."""
-        self.offers[beam.seq_id] = [
-            (t, beam.beam_score + lp) for t, lp in zip(token_ids, logprobs, strict=True)
-        ]
+    def offer(self, beam: Sequence, candidates: list[tuple[int, float]]) -> None:
+        """A beam's best continuations: (token id, its log-prob given the beam)."""
+        self.offers[beam.seq_id] = [(t, beam.beam_score + lp) for t, lp in candidates]
 
     def forget(self, beam: Sequence) -> None:
         """The beam lost its KV (preempted): it must compute its offer again."""

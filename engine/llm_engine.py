@@ -146,7 +146,7 @@ class LLMEngine:
         )  # fmt: skip
         beam = seqs[0].beam
         if beam is not None and beam_candidates is not None:
-            beam.offer(seqs[0], [t for t, _ in beam_candidates], [lp for _, lp in beam_candidates])
+            beam.offer(seqs[0], beam_candidates)
         table = self.scheduler.add_pulling(seqs, len(prompt_token_ids))
         if table is None:
             return None
@@ -307,8 +307,8 @@ class LLMEngine:
             for c in out.chunks
         )
         beam_rows = [row for row, seq in enumerate(seqs) if seq.beam is not None]
-        beams, beam_logits = [seqs[row] for row in beam_rows], logits[beam_rows]
         if beam_rows:  # the sampler sees the other rows only
+            beams, beam_logits = [seqs[row] for row in beam_rows], logits[beam_rows]
             rows = [row for row, seq in enumerate(seqs) if seq.beam is None]
             seqs, logits = [seqs[row] for row in rows], logits[rows]
         sampled = self.sampler(logits, [seq.sampling for seq in seqs])
@@ -319,7 +319,7 @@ class LLMEngine:
             self._output(seq, row, sampled, last_hidden if seq.params.embed else None, now)
             for row, seq in enumerate(seqs)
         ]
-        if beams:
+        if beam_rows:
             outputs += self._advance_beams(beams, beam_logits, now)
         return outputs
 
@@ -339,12 +339,12 @@ class LLMEngine:
             if len(beam.output_token_ids) < beam.params.min_tokens:
                 logprobs[row, list(group.stop_token_ids)] = -math.inf
             best = torch.topk(logprobs[row], min(group.keep, logprobs.shape[-1]))
-            group.offer(beam, best.indices.tolist(), best.values.tolist())
+            candidates = list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
             if beam.prefill_only:
                 self.scheduler.hold(beam)
-                candidates = group.offers.pop(beam.seq_id)
                 outputs.append(self._prompt_offer(beam, candidates, now))
                 continue
+            group.offer(beam, candidates)
             self.scheduler.park(beam)
             if group.ready:
                 ready[id(group)] = group

@@ -80,16 +80,9 @@ def process_specs(
     """Every process `orchestrator up` starts, orchestrator first (the others register with it).
     The frontends share `metrics_dir`, prometheus_client's multiprocess directory; every process
     gets the cluster's CURVE keys directory."""
-    tail = ("--config", config_path) if config_path else ()
-
-    def spec(worker_id: str, role: str, module: str, named: bool = True) -> ProcessSpec:
-        name = ("--worker-id", worker_id) if named else ()
-        env: tuple[tuple[str, str], ...] = ((KEYS_ENV, keys_dir),) if keys_dir else ()
-        if role == "frontend" and metrics_dir:
-            env += (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),)
-        return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail), env)
-
-    specs = [spec("orchestrator", "orchestrator", "orchestrator.main", named=False)]
+    orchestrator = _spec("orchestrator", "orchestrator", "orchestrator.main", config_path,
+                         keys_dir, named=False)  # fmt: skip
+    specs = [orchestrator]
     counts = {
         "context": config.context_workers.count if config.mode == "disaggregated" else 0,
         "generation": config.generation_workers.count,
@@ -99,7 +92,8 @@ def process_specs(
         specs.extend(worker_spec(role, i, config_path=config_path, keys_dir=keys_dir)
                      for i in range(count))  # fmt: skip
     for i in range(config.frontend.processes):
-        specs.append(spec(f"fe-{i}", "frontend", "frontend.main"))
+        specs.append(_spec(f"fe-{i}", "frontend", "frontend.main", config_path, keys_dir,
+                           metrics_dir=metrics_dir))  # fmt: skip
     return specs
 
 
@@ -107,11 +101,27 @@ def worker_spec(
     role: str, index: int, config_path: str | None, keys_dir: str | None
 ) -> ProcessSpec:
     """Worker `index` of a role (context, generation, postproc): `gen-3` for ("generation", 3)."""
-    tail = ("--config", config_path) if config_path else ()
     worker_id = f"{WORKER_PREFIXES[role]}-{index}"
-    argv = (sys.executable, "-m", WORKER_MODULES[role], "--worker-id", worker_id, *tail)
+    return _spec(worker_id, role, WORKER_MODULES[role], config_path, keys_dir)
+
+
+def _spec(
+    worker_id: str,
+    role: str,
+    module: str,
+    config_path: str | None,
+    keys_dir: str | None,
+    metrics_dir: str | None = None,
+    named: bool = True,
+) -> ProcessSpec:
+    """`python -m module`, with its id and config, the keys directory in its environment, and
+    prometheus_client's multiprocess directory for a frontend."""
+    name = ("--worker-id", worker_id) if named else ()
+    tail = ("--config", config_path) if config_path else ()
     env: tuple[tuple[str, str], ...] = ((KEYS_ENV, keys_dir),) if keys_dir else ()
-    return ProcessSpec(worker_id, role, argv, env)
+    if metrics_dir:
+        env += (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),)
+    return ProcessSpec(worker_id, role, (sys.executable, "-m", module, *name, *tail), env)
 
 
 def worker_index(worker_id: str) -> int:

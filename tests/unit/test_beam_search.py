@@ -230,15 +230,15 @@ def test_early_stopping_true_stops_once_width_hypotheses_are_done() -> None:
             frozenset({9}),
             beams,
         )
-        g.offer(beams[0], [9, 1, 2, 3], [-0.1, -0.2, -0.3, -5.0])
-        g.offer(beams[1], [4, 5, 6, 7], [-4.0, -4.1, -4.2, -4.3])
+        g.offer(beams[0], list(zip([9, 1, 2, 3], [-0.1, -0.2, -0.3, -5.0], strict=True)))
+        g.offer(beams[1], list(zip([4, 5, 6, 7], [-4.0, -4.1, -4.2, -4.3], strict=True)))
         chosen = g.select()
         assert [(c.token_id, round(c.score, 6)) for c in chosen] == [(1, -0.2), (2, -0.3)]
         assert [h.token_ids for h in g.done] == [[9]]
         for beam, c in zip(beams, chosen, strict=True):
             beam.beam_score, beam.output_token_ids = c.score, [c.token_id]
-        g.offer(beams[0], [9, 1, 2, 3], [-0.05, -0.1, -0.2, -0.3])
-        g.offer(beams[1], [1, 2, 3, 4], [-0.5, -0.6, -0.7, -0.8])
+        g.offer(beams[0], list(zip([9, 1, 2, 3], [-0.05, -0.1, -0.2, -0.3], strict=True)))
+        g.offer(beams[1], list(zip([1, 2, 3, 4], [-0.5, -0.6, -0.7, -0.8], strict=True)))
         return g
 
     stops = group(True)
