@@ -1,57 +1,88 @@
-"""The model's linear layers, run by oneDNN on CPU with weights packed once at load.
+"""The model's linear layers on the CPU, with weights repacked once at load for the kernel that
+runs them fastest here.
 
-torch's CPU `linear` calls MKL's sgemm, which on this project's AMD EPYC hosts takes a generic
-code path; oneDNN's matmul, also inside torch (`torch.ops.mkldnn._linear_pointwise`, what
-inductor emits for linear layers on CPU), is faster at every decode shape, and faster again with
-the weight already in its blocked layout (`_reorder_linear_weight`), since an unpacked weight is
-reordered on every call. The 30 layers of SmolLM2 (425 MB of float32 weights, one thread):
-F.linear 33 / 62 ms at 1 / 8 rows, oneDNN 24 / 40 ms, packed 22 / 28 ms, that is 19.7 and
-15 GB/s (one core reads up to ~35 GB/s here, bench/peers.py). Results differ from MKL's only
-in summation order (about 1e-5 relative); greedy tokens matched transformers' in every parity
-test.
+A decode step multiplies a few rows by every weight once: its time is how fast the weights
+stream from memory. torch's CPU `linear` calls MKL's sgemm, which on this project's AMD EPYC
+hosts takes a generic code path; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, what
+inductor emits for linear layers on CPU) with its weight in oneDNN's blocked layout was the best
+of torch's (SmolLM2's 30 layers, 425 MB of float32, one thread, session 9's AVX-512 host:
+F.linear 33 / 62 ms at 1 / 8 rows, oneDNN 24 / 40 ms, packed 22 / 28 ms). Our own panel
+kernel (kernels/cpu_linear.c) streams them faster still where it was measured, on an AVX2-only
+host whose core reads ~15.7 GB/s: see `choose_layout`.
 
-Packing is for CPU tensors of float32, or bfloat16 where oneDNN runs it on this CPU (AVX-512
-or AVX-NE-CONVERT; an AVX2-only host refuses to pack bfloat16 and keeps torch's linear), in a
-torch with oneDNN; elsewhere (GPU) the layers are torch's linear. A packed weight is an opaque
-oneDNN tensor: nothing else reads it (a tied LM head keeps the embedding's plain tensor for
-lookups and packs a copy).
+Layouts:
+- "panels": cpu_linear.c's column panels (float32 weights, or bfloat16 on a CPU where oneDNN
+  has no bfloat16); the kernel computes in float32 and rounds once to the model's dtype.
+- "onednn": oneDNN's packed layout (bfloat16 where oneDNN runs it: AVX-512 BF16 / AVX-NE-CONVERT,
+  or where the C kernels did not build).
+- "plain": torch's linear (GPU, float16, no oneDNN).
+Results differ from MKL's only in summation order (about 1e-6 relative); greedy tokens matched
+transformers' in every parity test. A packed weight is an opaque copy: nothing else reads it (a
+tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
+from engine.kernels import cpu_kernels
+
+Layout = Literal["plain", "onednn", "panels"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACKING_ROWS = 8  # the batch size oneDNN picks its blocking for; any row count runs
 
 
 class Linear(nn.Linear):
-    packed = False
+    layout: Layout = "plain"
 
-    def pack(self) -> None:
-        """Replace the weight with oneDNN's packed copy (CPU, float32 / bfloat16 only)."""
+    def pack(self, layout: Layout) -> None:
+        """Replace the weight with its copy in `layout` (see the module docstring)."""
         weight = self.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+        if layout == "panels":
+            packed = cpu_kernels.pack_panels(weight)
+            if self.bias is not None:  # the kernel adds a float32 bias
+                bias = self.bias.detach().float()
+                del self.bias
+                self.register_buffer("bias", bias, persistent=False)
+        elif layout == "onednn":
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+        else:
+            return
         del self.weight
         self.register_buffer("weight", packed, persistent=False)
-        self.packed = True
+        self.layout = layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            rows = x.reshape(-1, x.shape[-1])
+        if self.layout == "plain":
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.layout == "panels":
+            out = cpu_kernels.panel_linear(rows, self.weight, self.bias, self.out_features)
+            out = out.to(x.dtype)
+        else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return super().forward(x)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def can_pack(device: str, dtype: torch.dtype) -> bool:
-    if device != "cpu" or dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def choose_layout(device: str, dtype: torch.dtype) -> Layout:
+    """Panels for float32 (11-14 GB/s at 1-8 rows where oneDNN's packed matmul read 8.8, and
+    no slower at prefill sizes: linear.py's docstring), and for bfloat16 where oneDNN has no
+    bfloat16 kernels (an AVX2-only CPU; else oneDNN's native bfloat16 dot products win)."""
+    if device != "cpu" or dtype not in ONEDNN_DTYPES:
+        return "plain"
+    onednn_runs = torch.backends.mkldnn.is_available() and (
+        dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    kernels = cpu_kernels.library() is not None
+    if kernels and (dtype == torch.float32 or not onednn_runs):
+        return "panels"
+    return "onednn" if onednn_runs else "plain"
 
 
-def pack_linear_layers(model: nn.Module) -> None:
+def pack_linear_layers(model: nn.Module, layout: Layout) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(layout)

@@ -23,7 +23,7 @@ from engine.guided import GrammarCompiler
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
-from engine.linear import can_pack, pack_linear_layers
+from engine.linear import choose_layout, pack_linear_layers
 from engine.model import load_model, use_cpu_kernels
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
@@ -73,8 +73,7 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
             config.device
         )
-        if can_pack(config.device, config.torch_dtype):
-            pack_linear_layers(self.model)  # oneDNN's layout, once (engine/linear.py)
+        pack_linear_layers(self.model, choose_layout(config.device, config.torch_dtype))
         norm_weight = self.model.model.norm.weight  # the model's dtype and device
         if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(norm_weight):
             use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path

@@ -1,5 +1,6 @@
 """The CPU path's C kernels (cpu_kernels.c), built once per machine: paged decode attention and
-KV stores, RMSNorm with its residual add, rotary embedding.
+KV stores, RMSNorm with its residual add, rotary embedding; and the linear layers' panel matmul
+(cpu_linear.c, see engine/linear.py).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
@@ -34,7 +35,7 @@ from common.model_cache import CACHE_ROOT
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_linear.c"))
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
     "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -48,7 +49,9 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "store_kv": (None, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int]),
     "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
+    "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
 }
+PANEL = 16  # output columns per weight panel (cpu_linear.c's P)
 
 
 @functools.cache
@@ -157,6 +160,32 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     )  # fmt: skip
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) as cpu_linear.c's panels: (ceil(N / 16), K, 16), zero rows padding N."""
+    n, k = weight.shape
+    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # (N / 16, K, 16)
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x (rows, K) @ weight.T + bias in float32, the weight as `pack_panels` left it; bias
+    float32 or None. Runs on torch's thread count."""
+    lib = library()
+    assert lib is not None and panels.dtype in DTYPE_CODES
+    x32 = x.float().contiguous()
+    out = torch.empty(x32.shape[0], out_features)
+    _run(
+        "panel_linear",
+        x32.data_ptr(), panels.data_ptr(), DTYPE_CODES[panels.dtype],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), x32.shape[0], out_features,
+        x32.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def _run(name: str, *args: object) -> object:
     """Call a kernel; under the torch profiler (POST /start_profile) as a named range, so that
     the op table counts the kernels' time too (a ctypes call is invisible to it otherwise)."""
@@ -173,7 +202,8 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     compiler = compiler.split()[0]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join((compiler, *FLAGS, *LIBS)).encode(), _cpu_flags()):
+    command = " ".join((compiler, *FLAGS, *LIBS)).encode()
+    for part in (*(source.read_bytes() for source in SOURCES), command, _cpu_flags()):
         key.update(part)
     target = CACHE_ROOT / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -183,7 +213,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", staging, *LIBS],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", staging, *LIBS],
             check=True, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         os.replace(staging, target)

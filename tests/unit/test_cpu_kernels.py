@@ -175,3 +175,30 @@ def test_the_model_with_the_c_kernels_matches_the_torch_path(dtype: str) -> None
         tolerance = 1e-4 if dtype == "float32" else 5e-2
         for a, b in zip(fused.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
             assert abs(a - b) <= tolerance * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_linear_matches_torch(dtype: torch.dtype, threads: int) -> None:
+    """Every row count the kernel treats apart (one row, full and partial blocks of 6, more than
+    one 48-row block), output counts that are not multiples of its 16-column panels, an odd K,
+    with and without a bias."""
+    torch.manual_seed(7)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(37, 19), (16, 64), (100, 576)]:
+            weight = torch.randn(n, k).to(dtype)
+            panels = cpu_kernels.pack_panels(weight)
+            assert panels.shape == ((n + 15) // 16, k, 16)
+            for bias in (None, torch.randn(n)):
+                for rows in (1, 2, 5, 6, 13, 50, 101):
+                    x = torch.randn(rows, k)
+                    expected = x.double() @ weight.double().T
+                    if bias is not None:
+                        expected += bias.double()
+                    out = cpu_kernels.panel_linear(x, panels, bias, n)
+                    assert out.shape == (rows, n) and out.dtype == torch.float32
+                    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)

@@ -200,18 +200,29 @@ def test_a_context_longer_than_the_models_positions_is_refused_at_start() -> Non
 
 
 def test_a_bfloat16_engine_runs_on_any_cpu(hf_greedy: list[list[int]]) -> None:
-    """bfloat16 weights are packed for oneDNN only where oneDNN runs bfloat16 on this CPU (an
-    AVX2-only host refuses to pack them); elsewhere the layers stay torch's linear. Either way
-    the engine starts and generates."""
+    """bfloat16 weights go to oneDNN where oneDNN runs bfloat16 on this CPU, else (an AVX2-only
+    host refuses to pack them) to the panel kernel. Either way the engine starts and generates."""
     from engine.linear import Linear
 
     llm = LLM(dtype="bfloat16", num_blocks=64)
-    packed = {m.packed for m in llm.engine.model.modules() if isinstance(m, Linear)}
-    assert packed == {bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+    layouts = {m.layout for m in llm.engine.model.modules() if isinstance(m, Linear)}
+    onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert layouts == {"onednn" if onednn else "panels"}
     [out] = llm.generate([TEST_PROMPTS[0]], GREEDY)
     assert len(out.outputs[0].token_ids) == MAX_NEW
     # bfloat16 rounding may change a late token, not the first ones
     assert out.outputs[0].token_ids[:4] == hf_greedy[0][:4]
+
+
+def test_float32_layers_run_the_panel_kernel(hf_greedy: list[list[int]]) -> None:
+    """float32 weights are repacked into cpu_linear.c's panels and still give HF's greedy tokens
+    (odd shapes and row counts: test_cpu_kernels.py)."""
+    from engine.linear import Linear
+
+    llm = LLM(num_blocks=64)
+    assert {m.layout for m in llm.engine.model.modules() if isinstance(m, Linear)} == {"panels"}
+    [out] = llm.generate([TEST_PROMPTS[0]], GREEDY)
+    assert out.outputs[0].token_ids == hf_greedy[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu_run.sh runs it)")

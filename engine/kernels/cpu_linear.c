@@ -1,0 +1,135 @@
+/* The model's linear layers on the CPU: out = x @ w.T + bias with w stored in column panels.
+ *
+ * A decode step multiplies a few rows by every weight of the model once, so its speed is how
+ * fast the weights stream from memory. oneDNN's matmul (what torch runs) reached 8.8 GB/s on
+ * SmolLM2's layers at one row on this project's AVX2 hosts, where one core reads 15.7 GB/s;
+ * this kernel streams them at 11-14 GB/s (numbers in linear.py).
+ *
+ * Layout: w (N, K) is repacked once at load into panels of P = 16 output columns,
+ * panels[N / P][K][P] (N padded with zero rows): panel p holds w[p*P .. p*P+15][k] for every k
+ * side by side, so a panel is one contiguous stream and a k step reads 16 weights (two vectors)
+ * for all the rows of x at once. Each row of x keeps two vector accumulators (16 outputs):
+ * no horizontal sums, and the weights are read once per block of up to MR rows.
+ *
+ *   x rows  m..m+MR-1 ─┐      panel p: k=0 [w0 .. w15] k=1 [w0 .. w15] ...
+ *                      └── acc[r][0..1] += broadcast(x[r][k]) * panel[k][0..15]
+ *
+ * Rows go in blocks of ROW_BLOCK (their x rows stay in L2 while every panel streams past);
+ * threads split the panels. Elements: float32, or bfloat16 weights widened on load (x, bias
+ * and out are float32; the caller converts). Written with GCC vector extensions, so it builds
+ * for whatever -march=native offers (AVX2 + FMA here) without intrinsics.
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+enum { P = 16, MR = 6, ROW_BLOCK = 48 };
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f splat(float s) { return (v8f){s, s, s, s, s, s, s, s}; }
+
+/* Eight weights from element `at` of a panel, as float32 (bfloat16 is a float32's high half). */
+static inline __attribute__((always_inline)) v8f load8(const void *panel, int64_t at,
+                                                       const int dtype) {
+    if (dtype == F32) {
+        v8f v;
+        memcpy(&v, (const float *)panel + at, sizeof v);
+        return v;
+    }
+    v8u16 h;
+    memcpy(&h, (const uint16_t *)panel + at, sizeof h);
+    v8u32 bits = __builtin_convertvector(h, v8u32) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline void store_row(const v8f lo, const v8f hi, float *out, int64_t ncols,
+                             const float *bias) {
+    float row[P];
+    memcpy(row, &lo, sizeof lo);
+    memcpy(row + 8, &hi, sizeof hi);
+    for (int64_t j = 0; j < ncols; j++) out[j] = row[j] + (bias != NULL ? bias[j] : 0.0f);
+}
+
+/* rows (a constant 1..MR after inlining) rows of x times one panel: out's 16 columns. */
+static inline __attribute__((always_inline)) void panel_rows(
+    const float *restrict x, int64_t K, const void *panel, const int dtype, float *restrict out,
+    int64_t N, int64_t ncols, const float *bias, const int rows) {
+    v8f acc[MR][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+        v8f w0 = load8(panel, k * P, dtype), w1 = load8(panel, k * P + 8, dtype);
+        for (int r = 0; r < rows; r++) {
+            v8f xb = splat(x[r * K + k]);
+            acc[r][0] += w0 * xb;
+            acc[r][1] += w1 * xb;
+        }
+    }
+    for (int r = 0; r < rows; r++) store_row(acc[r][0], acc[r][1], out + r * N, ncols, bias);
+}
+
+/* One row of x (a one-sequence decode step): even and odd k in separate accumulators, so two
+ * chains of dependent multiply-adds run at once instead of waiting on each other's latency. */
+static inline __attribute__((always_inline)) void panel_row(
+    const float *restrict x, int64_t K, const void *panel, const int dtype, float *restrict out,
+    int64_t ncols, const float *bias) {
+    v8f a0 = splat(0.0f), a1 = a0, b0 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+        v8f x0 = splat(x[k]), x1 = splat(x[k + 1]);
+        a0 += load8(panel, k * P, dtype) * x0;
+        a1 += load8(panel, k * P + 8, dtype) * x0;
+        b0 += load8(panel, k * P + 16, dtype) * x1;
+        b1 += load8(panel, k * P + 24, dtype) * x1;
+    }
+    if (k < K) {
+        v8f x0 = splat(x[k]);
+        a0 += load8(panel, k * P, dtype) * x0;
+        a1 += load8(panel, k * P + 8, dtype) * x0;
+    }
+    store_row(a0 + b0, a1 + b1, out, ncols, bias);
+}
+
+static inline __attribute__((always_inline)) void one_panel(
+    const float *x, const void *panels, const int dtype, const float *bias, float *out,
+    int64_t m0, int64_t m_end, int64_t N, int64_t K, int64_t p) {
+    const void *panel = (const char *)panels + p * K * P * (dtype == F32 ? 4 : 2);
+    int64_t n = p * P, ncols = N - n < P ? N - n : P;
+    const float *b = bias != NULL ? bias + n : NULL;
+    if (m_end - m0 == 1) {
+        panel_row(x + m0 * K, K, panel, dtype, out + m0 * N + n, ncols, b);
+        return;
+    }
+    int64_t m = m0;
+    for (; m + MR <= m_end; m += MR)
+        panel_rows(x + m * K, K, panel, dtype, out + m * N + n, N, ncols, b, MR);
+    const float *xm = x + m * K;
+    float *om = out + m * N + n;
+    switch (m_end - m) {
+        case 5: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 5); break;
+        case 4: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 4); break;
+        case 3: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 3); break;
+        case 2: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 2); break;
+        case 1: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 1); break;
+    }
+}
+
+/* x: (M, K) float32; panels as above, of dtype; bias: (N,) float32 or NULL; out: (M, N) float32. */
+void panel_linear(const float *x, const void *panels, int dtype, const float *bias, float *out,
+                  int64_t M, int64_t N, int64_t K, int threads) {
+    int64_t num_panels = (N + P - 1) / P;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int64_t m_end = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (dtype == F32)
+                one_panel(x, panels, F32, bias, out, m0, m_end, N, K, p);
+            else
+                one_panel(x, panels, BF16, bias, out, m0, m_end, N, K, p);
+        }
+    }
+}
