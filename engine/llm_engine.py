@@ -24,7 +24,7 @@ from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.linear import choose_layout, pack_linear_layers
-from engine.model import load_model, use_cpu_kernels
+from engine.model import load_model, use_c_decode_step, use_cpu_kernels
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
@@ -84,6 +84,8 @@ class LLMEngine:
             config.torch_dtype,
             config.device,
         )
+        if cpu_kernels.supports(self.kv_cache.layers[0][0]) and self.model.model.norm.fused:
+            use_c_decode_step(self.model)  # decode-only steps as one C call (model.py)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

@@ -8,6 +8,7 @@ cache.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,8 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.c_decode_step = False  # set by use_c_decode_step
+        self._decode_layers: tuple[int, ctypes.Array[cpu_kernels.DecodeLayer]] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -243,11 +246,57 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        if self.c_decode_step and meta.num_decode_tokens == x.shape[0] > 0:
+            return self._decode_in_c(x, positions, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
         return self.model.norm.add_and_norm(x, residual)[0]
+
+    def _decode_in_c(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` of a decode-only batch as one C call (kernels/cpu_decode_step.c)."""
+        k_cache = kv_caches[0][0]
+        if self._decode_layers is None or self._decode_layers[0] != k_cache.data_ptr():
+            self._decode_layers = (k_cache.data_ptr(), self._layer_table(kv_caches))
+        c = self.config
+        shape = cpu_kernels.DecodeShape(
+            hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=k_cache.shape[1],
+            block_stride=k_cache.stride(0), window=c.sliding_window or 0, eps=c.rms_norm_eps,
+            scale=c.head_dim**-0.5, soft_cap=0.0,
+        )  # fmt: skip
+        return cpu_kernels.decode_step(
+            self._decode_layers[1], shape, x.contiguous(), self.model.norm.weight, positions,
+            meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+            self.rotary.cos, self.rotary.sin,
+        )  # fmt: skip
+
+    def _layer_table(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ctypes.Array[cpu_kernels.DecodeLayer]:
+        """Every layer's tensors for the C pass, by address (they live as long as the model and
+        the KV cache do)."""
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        table = (cpu_kernels.DecodeLayer * len(self.model.layers))()
+        for entry, layer, (k, v) in zip(table, self.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            entry.qkv, entry.qkv_bias = address(attn.qkv_proj.weight), address(attn.qkv_proj.bias)
+            entry.o, entry.gate_up = address(attn.o_proj.weight), address(mlp.gate_up_proj.weight)
+            entry.down = address(mlp.down_proj.weight)
+            entry.input_norm = address(layer.input_layernorm.weight)
+            entry.post_norm = address(layer.post_attention_layernorm.weight)
+            entry.k_cache, entry.v_cache = address(k), address(v)
+        return table
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,6 +309,23 @@ def use_cpu_kernels(model: CausalLM) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding)):
             module.fused = True
+
+
+def use_c_decode_step(model: CausalLM) -> bool:
+    """Run decode-only batches as one C call where the C pass computes what `forward` would:
+    float32 weights in panels, the C norms and rotary on, no per-head norms (Qwen3)."""
+    layers_in_panels = all(
+        m.layout == "panels"
+        for m in model.modules()
+        if isinstance(m, Linear) and m is not model.lm_head
+    )
+    model.c_decode_step = (
+        layers_in_panels
+        and model.model.norm.fused
+        and model.model.norm.weight.dtype == torch.float32
+        and not model.config.qk_norm
+    )
+    return model.c_decode_step
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> CausalLM:

@@ -35,7 +35,10 @@ from common.model_cache import CACHE_ROOT
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_linear.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c")
+)
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
     "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -50,6 +53,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int]),
     "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
+    "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
 }
 PANEL = 16  # output columns per weight panel (cpu_linear.c's P)
 
@@ -184,6 +188,62 @@ def panel_linear(
         x32.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """cpu_decode_step.c's DecodeLayer: one layer's panels, norms and KV cache views."""
+
+    _fields_ = [(name, _p) for name in (
+        "qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "k_cache", "v_cache",
+    )]  # fmt: skip
+
+
+class DecodeShape(ctypes.Structure):
+    """cpu_decode_step.c's DecodeShape: the model's sizes and the step's attention layout."""
+
+    _fields_ = [
+        *((name, _i64) for name in (
+            "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
+            "block_stride", "max_blocks", "window",
+        )),
+        ("eps", _f32), ("scale", _f32), ("soft_cap", _f32), ("threads", _int),
+    ]  # fmt: skip
+
+
+def decode_step(
+    layers: ctypes.Array[DecodeLayer],
+    shape: DecodeShape,
+    x: torch.Tensor,
+    final_norm: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """A decode-only forward pass of a float32 model (cpu_decode_step.c): x (rows, hidden), the
+    embeddings of each sequence's new token, in; the final hidden states out (x itself)."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+    rows = x.shape[0]
+    qkv_len = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    per_row = 3 * shape.hidden + qkv_len + 2 * shape.num_heads * shape.head_dim
+    scratch = torch.empty(rows * (per_row + 3 * shape.intermediate))
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    shape.max_blocks, shape.threads = tables.shape[1], torch.get_num_threads()
+    status = _run(
+        "decode_step",
+        layers, len(layers), ctypes.byref(shape), x.data_ptr(), final_norm.data_ptr(), rows,
+        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("decode step: no memory for the attention scores")
+    return x
 
 
 def _run(name: str, *args: object) -> object:

@@ -202,3 +202,53 @@ def test_panel_linear_matches_torch(dtype: torch.dtype, threads: int) -> None:
                     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_decode_step_in_c_matches_the_python_forward() -> None:
+    """A decode-only batch through cpu_decode_step.c gives the Python forward's hidden states
+    and writes the same K/V: a Qwen2-like model (q/k/v biases), a sliding window, sizes that
+    are not multiples of the 16-column panels, sequences of different lengths."""
+    from engine.kv_cache import KVCache
+    from engine.linear import pack_linear_layers
+    from engine.model import AttentionMetadata, CausalLM, use_c_decode_step, use_cpu_kernels
+    from engine.model_config import ModelConfig
+
+    torch.manual_seed(3)
+    config = ModelConfig(
+        model_type="qwen2", vocab_size=300, hidden_size=72, intermediate_size=100, num_layers=3,
+        num_heads=6, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-6,
+        rope=RopeConfig(kind="default", theta=10000.0), max_position_embeddings=256,
+        tie_word_embeddings=True, attention_bias=True, qk_norm=False, sliding_window=9,
+        eos_token_ids=(0,), torch_dtype="float32",
+    )  # fmt: skip
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    pack_linear_layers(model, "panels")
+    use_cpu_kernels(model)
+    assert use_c_decode_step(model)
+    lens = [5, 17, 30]  # tokens already cached per sequence; each decodes one more
+    block_size, blocks_per_seq = 8, 4
+    caches = [KVCache(config, 16, block_size, torch.float32, "cpu") for _ in range(2)]
+    for cache in caches:  # the same random history in both
+        torch.manual_seed(4)
+        cache.pool.normal_()
+    tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
+    positions = torch.tensor(lens)
+    slots = tables[torch.arange(len(lens)), positions // block_size].long() * block_size + (
+        positions % block_size
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
+        decode_context_lens=(positions + 1).to(torch.int32),
+        prefill_block_tables=torch.zeros(0, blocks_per_seq, dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+    )  # fmt: skip
+    ids = torch.tensor([7, 250, 31])
+    in_c = model(ids, positions, caches[0].layers, meta)
+    model.c_decode_step = False
+    in_python = model(ids, positions, caches[1].layers, meta)
+    torch.testing.assert_close(in_c, in_python, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0].pool, caches[1].pool, rtol=1e-6, atol=1e-6)
