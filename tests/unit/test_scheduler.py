@@ -1,4 +1,5 @@
-"""The scheduler alone, with exact ids: priority order of admission, budget and preemption."""
+"""The scheduler alone, with exact ids: admission (priority, FIFO, max_num_seqs, a prefix hit),
+the token budget and chunked prefill, preemption order."""
 
 from __future__ import annotations
 
@@ -82,3 +83,66 @@ def test_preemption_takes_the_lowest_priority_and_it_keeps_its_place() -> None:
     assert victim.status is SequenceStatus.WAITING and victim.priority == 0
     # back in the queue ahead of a same-priority request that arrived after it
     assert [s.seq_id for s in sched.waiting] == ["low", "low-later"]
+
+
+def test_equal_priorities_preempt_the_latest_admission_first() -> None:
+    # 7 blocks of 4: three 8-token prompts fill 6; the first decode of "a" takes the 7th, the
+    # next token of "b" needs one more, which only a preemption of the tail frees: "c", then
+    # (its blocks not enough for "c" itself) nothing more
+    sched = scheduler(num_blocks=7)
+    for s in (seq("a"), seq("b"), seq("c")):
+        sched.add(s)
+    run(sched, sched.schedule())
+    assert [s.seq_id for s in sched.running] == ["a", "b", "c"]
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == ["c"]
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("a", 1), ("b", 1)]
+    assert [s.seq_id for s in sched.waiting] == ["c"] and sched.waiting[0].num_preemptions == 1
+    assert sched.kv.num_free_blocks == 1  # c's two blocks back, a and b took one each
+
+
+def test_a_long_prompt_is_chunked_by_the_budget_and_decodes_go_first() -> None:
+    sched = scheduler(budget=10)
+    sched.add(seq("short", prompt_len=4))
+    sched.add(seq("long", prompt_len=23))
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("short", 4), ("long", 6)]
+    assert [c.samples for c in out.chunks] == [True, False]  # a partial chunk samples nothing
+    run(sched, out)
+    for expected_long, long_samples in ((9, False), (8, True)):  # 6 + 9 + 8 = 23
+        out = sched.schedule()  # short's decode first, the rest of the budget to the chunk
+        assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [
+            ("short", 1),
+            ("long", expected_long),
+        ]
+        assert [c.samples for c in out.chunks] == [True, long_samples]
+        run(sched, out)
+    assert sched.running[1].num_computed_tokens == 23 and sched.running[1].output_token_ids == [7]
+
+
+def test_a_prompt_with_a_cached_prefix_is_admitted_past_its_cached_blocks() -> None:
+    sched = scheduler()
+    first = seq("first", prompt_len=10)
+    sched.add(first)
+    run(sched, sched.schedule())
+    sched._finish(first, "stop")  # its two full blocks stay in the prefix cache
+    second = seq("second", prompt_len=12)
+    second.token_ids[:10] = first.token_ids[:10]
+    sched.add(second)
+    out = sched.schedule()
+    # 8 tokens (two full blocks of 4) are cached; the 2 of the partial block and 2 more run
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("second", 4)]
+    assert second.num_computed_tokens == 8 and second.num_cached_prompt_tokens == 8
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (10 + 12, 8)
+
+
+def test_admission_stops_at_max_num_seqs_and_resumes_when_one_finishes() -> None:
+    sched = scheduler(max_num_seqs=2)
+    for name in ("a", "b", "c"):
+        sched.add(seq(name))
+    out = sched.schedule()
+    assert scheduled(out) == ["a", "b"] and [s.seq_id for s in sched.waiting] == ["c"]
+    run(sched, out)
+    sched._finish(sched.running[0], "stop")
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("b", 1), ("c", 8)]
