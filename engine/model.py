@@ -313,18 +313,13 @@ def use_cpu_kernels(model: CausalLM) -> None:
 
 def use_c_decode_step(model: CausalLM) -> bool:
     """Run decode-only batches as one C call where the C pass computes what `forward` would:
-    float32 weights in panels, the C norms and rotary on, no per-head norms (Qwen3)."""
+    the layers' weights in panels, the C norms and rotary on, no per-head norms (Qwen3)."""
     layers_in_panels = all(
         m.layout == "panels"
         for m in model.modules()
         if isinstance(m, Linear) and m is not model.lm_head
     )
-    model.c_decode_step = (
-        layers_in_panels
-        and model.model.norm.fused
-        and model.model.norm.weight.dtype == torch.float32
-        and not model.config.qk_norm
-    )
+    model.c_decode_step = layers_in_panels and model.model.norm.fused and not model.config.qk_norm
     return model.c_decode_step
 
 

@@ -21,15 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
-
-/* bfloat16 is the high half of a float32. */
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "cpu_dtypes.h"
 
 /* One cached row of head_dim values as float32: the row itself, or converted into buf. The
  * attention loops read float32 rows through this even after a bfloat16 cache is staged: the same
@@ -194,31 +186,6 @@ void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
         memcpy((char *)k_cache + at, (const char *)k + i * row_bytes, row_bytes);
         memcpy((char *)v_cache + at, (const char *)v + i * row_bytes, row_bytes);
     }
-}
-
-/* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float get(const void *p, int64_t i, int dtype) {
-    return dtype == F32 ? ((const float *)p)[i] : from_bf16(((const uint16_t *)p)[i]);
-}
-
-static inline void put(void *p, int64_t i, float f, int dtype) {
-    if (dtype == F32)
-        ((float *)p)[i] = f;
-    else
-        ((uint16_t *)p)[i] = to_bf16(f);
-}
-
-/* The value as the tensor's dtype holds it: rounded to bfloat16 where the model rounds. */
-static inline float held(float f, int dtype) {
-    return dtype == F32 ? f : from_bf16(to_bf16(f));
 }
 
 /* Llama's RMSNorm over rows of x: (rows, dim), written to out, in the order Hugging Face computes

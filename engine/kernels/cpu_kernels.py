@@ -39,6 +39,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c")
 )
+HEADERS = (Path(__file__).with_name("cpu_dtypes.h"),)  # included by the sources
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
     "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -54,6 +55,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
+    "decode_step_scratch": (_i64, [_p, _i64]),
 }
 PANEL = 16  # output columns per weight panel (cpu_linear.c's P)
 
@@ -206,7 +208,7 @@ class DecodeShape(ctypes.Structure):
             "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
             "block_stride", "max_blocks", "window",
         )),
-        ("eps", _f32), ("scale", _f32), ("soft_cap", _f32), ("threads", _int),
+        ("eps", _f32), ("scale", _f32), ("soft_cap", _f32), ("threads", _int), ("dtype", _int),
     ]  # fmt: skip
 
 
@@ -222,19 +224,18 @@ def decode_step(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """A decode-only forward pass of a float32 model (cpu_decode_step.c): x (rows, hidden), the
-    embeddings of each sequence's new token, in; the final hidden states out (x itself)."""
+    """A decode-only forward pass (cpu_decode_step.c): x (rows, hidden), the embeddings of each
+    sequence's new token, in; the final hidden states out (x itself)."""
     lib = library()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+    assert lib is not None and x.dtype in DTYPE_CODES and x.is_contiguous()
     rows = x.shape[0]
-    qkv_len = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    per_row = 3 * shape.hidden + qkv_len + 2 * shape.num_heads * shape.head_dim
-    scratch = torch.empty(rows * (per_row + 3 * shape.intermediate))
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     shape.max_blocks, shape.threads = tables.shape[1], torch.get_num_threads()
+    shape.dtype = DTYPE_CODES[x.dtype]
+    scratch = torch.empty(lib.decode_step_scratch(ctypes.byref(shape), rows))
     status = _run(
         "decode_step",
         layers, len(layers), ctypes.byref(shape), x.data_ptr(), final_norm.data_ptr(), rows,
@@ -263,7 +264,7 @@ def _build() -> Path:
     compiler = compiler.split()[0]
     key = hashlib.sha256()
     command = " ".join((compiler, *FLAGS, *LIBS)).encode()
-    for part in (*(source.read_bytes() for source in SOURCES), command, _cpu_flags()):
+    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), command, _cpu_flags()):
         key.update(part)
     target = CACHE_ROOT / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -19,10 +19,8 @@
  * and out are float32; the caller converts). Written with GCC vector extensions, so it builds
  * for whatever -march=native offers (AVX2 + FMA here) without intrinsics.
  */
-#include <stdint.h>
-#include <string.h>
+#include "cpu_dtypes.h"
 
-enum { F32 = 0, BF16 = 1 };
 enum { P = 16, MR = 6, ROW_BLOCK = 48 };
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -204,7 +204,8 @@ def test_panel_linear_matches_torch(dtype: torch.dtype, threads: int) -> None:
         torch.set_num_threads(previous)
 
 
-def test_decode_step_in_c_matches_the_python_forward() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype) -> None:
     """A decode-only batch through cpu_decode_step.c gives the Python forward's hidden states
     and writes the same K/V: a Qwen2-like model (q/k/v biases), a sliding window, sizes that
     are not multiples of the 16-column panels, sequences of different lengths."""
@@ -225,12 +226,13 @@ def test_decode_step_in_c_matches_the_python_forward() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
+    model = model.to(dtype)
     pack_linear_layers(model, "panels")
     use_cpu_kernels(model)
     assert use_c_decode_step(model)
     lens = [5, 17, 30]  # tokens already cached per sequence; each decodes one more
     block_size, blocks_per_seq = 8, 4
-    caches = [KVCache(config, 16, block_size, torch.float32, "cpu") for _ in range(2)]
+    caches = [KVCache(config, 16, block_size, dtype, "cpu") for _ in range(2)]
     for cache in caches:  # the same random history in both
         torch.manual_seed(4)
         cache.pool.normal_()
