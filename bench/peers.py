@@ -52,7 +52,9 @@ VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 SERVERS = ("vllm", "aggregated", "disaggregated")
 PROFILE_TOP_OPS = 12
-LINEAR_OPS = ("_C::onednn_mm", "mkldnn::_linear_pointwise")  # vLLM's linear layers, ours
+# vLLM's linear layers, ours (oneDNN's, or our panel kernel's), and our whole decode passes in C
+LINEAR_OPS = ("_C::onednn_mm", "mkldnn::_linear_pointwise", "cpu_kernels::panel_linear")
+C_FORWARD_OP = "cpu_kernels::decode_step"  # one forward; its LM head is a panel_linear call
 PROFILES_DIR = ROOT / "bench/results/peers-profiles"  # the op tables, as written
 INPUT_LEN, INPUT_RANGE, OUTPUT_LEN = 192, 1 / 3, 128  # prompts of 128-256 tokens
 
@@ -230,7 +232,8 @@ def _profiler(url: str, action: str) -> None:
 
 def op_profile(table: str, linears_per_forward: int) -> dict:
     """From a torch profiler table (key_averages layout, sorted by self CPU time): the forward
-    passes it saw (calls of the linear op / linears per forward), all ops' self CPU ms per
+    passes it saw (calls of the linear op / linears per forward, plus our decode passes run as
+    one C call, whose only linear call from Python is the LM head), all ops' self CPU ms per
     forward, and the top ops' ms per forward."""
     ops: dict[str, tuple[float, int]] = {}  # name -> (self ms, calls)
     total_ms = 0.0
@@ -245,7 +248,8 @@ def op_profile(table: str, linears_per_forward: int) -> dict:
             except ValueError:
                 continue  # a ruler or a header line
     linear_calls = sum(calls for name, (_, calls) in ops.items() if name in LINEAR_OPS)
-    forwards = max(1, round(linear_calls / linears_per_forward))
+    c_forwards = ops.get(C_FORWARD_OP, (0.0, 0))[1]
+    forwards = max(1, c_forwards + round((linear_calls - c_forwards) / linears_per_forward))
     top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:PROFILE_TOP_OPS]
     return {
         "forwards": forwards,

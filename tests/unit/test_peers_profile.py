@@ -26,3 +26,21 @@ def test_a_real_profiler_table_becomes_ms_per_forward_by_op() -> None:
         assert abs(ms - self_ms[name] / 10) <= 0.01 * self_ms[name] / 10 + 1e-3, name
     total = sum(self_ms.values()) / 10
     assert abs(found["ops_ms_per_forward"] - total) <= 0.01 * total + 1e-3
+
+
+def test_our_decode_passes_in_c_count_as_one_forward_each() -> None:
+    """A decode pass run as one C call shows as `cpu_kernels::decode_step` plus its LM head's
+    panel_linear; a prefill pass as 3 linear calls here (linears_per_forward)."""
+    from engine.kernels import cpu_kernels
+
+    x, w = torch.randn(4, 64), cpu_kernels.pack_panels(torch.randn(64, 64))
+    with profile(activities=[ProfilerActivity.CPU]) as session:
+        for _ in range(2):  # two prefill passes
+            for _ in range(3):
+                cpu_kernels.panel_linear(x, w, None, 64)
+        for _ in range(5):  # five decode passes: the C call (a named range), then the LM head
+            with torch.profiler.record_function("cpu_kernels::decode_step"):
+                x.relu()
+            cpu_kernels.panel_linear(x, w, None, 64)
+    table = session.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+    assert op_profile(table, linears_per_forward=3)["forwards"] == 7
