@@ -102,6 +102,13 @@ def make_http(
 
 
 @pytest.fixture
+def nothing_reaches_the_cluster(fake: FakeClusterClient) -> Iterator[None]:
+    """After the test: no request was submitted, none is open."""
+    yield
+    assert fake.submitted == [] and fake.open == {}
+
+
+@pytest.fixture
 def http(make_http: Callable[..., TestClient]) -> TestClient:
     return make_http()
 

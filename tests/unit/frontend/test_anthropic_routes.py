@@ -30,10 +30,8 @@ TIME = {
 ANTHROPIC_TOOLS = [WEATHER, TIME]
 
 
-@pytest.fixture(autouse=True)
-def nothing_reaches_the_cluster(fake) -> None:
-    yield
-    assert fake.submitted == [] and fake.open == {}
+# each test's requests are refused before anything is submitted
+pytestmark = pytest.mark.usefixtures("nothing_reaches_the_cluster")
 
 
 def params(i: int, max_tokens: int = 6, **extra: object) -> dict:

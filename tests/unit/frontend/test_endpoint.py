@@ -12,10 +12,8 @@ from starlette.testclient import TestClient
 MODEL = "builtin:tiny"
 
 
-@pytest.fixture(autouse=True)
-def nothing_reaches_the_cluster(fake) -> None:
-    yield
-    assert fake.submitted == [] and fake.open == {}
+# each test's requests are refused before anything is submitted
+pytestmark = pytest.mark.usefixtures("nothing_reaches_the_cluster")
 
 
 def test_bad_bodies_are_4xx_in_the_one_shape(http: TestClient) -> None:

@@ -34,10 +34,8 @@ WEATHER = {
 BEAM = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True}
 
 
-@pytest.fixture(autouse=True)
-def nothing_reaches_the_cluster(fake) -> None:
-    yield
-    assert fake.submitted == [] and fake.open == {}
+# each test's requests are refused before anything is submitted
+pytestmark = pytest.mark.usefixtures("nothing_reaches_the_cluster")
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,8 @@ from tests.integration import openai_spec
 MODEL = "builtin:tiny"
 
 
-@pytest.fixture(autouse=True)
-def nothing_reaches_the_cluster(fake) -> None:
-    yield
-    assert fake.submitted == [] and fake.open == {}
+# each test's requests are refused before anything is submitted
+pytestmark = pytest.mark.usefixtures("nothing_reaches_the_cluster")
 
 
 @pytest.mark.parametrize(
