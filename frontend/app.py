@@ -80,6 +80,8 @@ HTTP_ROUTES = [
 
 
 def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) -> Starlette:
+    """The app over `client`: the route table, the stores and batch runner in its state, the
+    API-key and request-count middleware, and a lifespan that starts and closes the client."""
     app = Starlette(
         routes=HTTP_ROUTES,
         lifespan=_lifespan,
@@ -89,12 +91,13 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
             Exception: _server_error,
         },
     )
+    response_store = open_store(config.frontend.responses_store)
     batch_store = open_batch_store(config.frontend.responses_store)
     app.state.frontend = FrontendState(
         config=config,
         client=client,
         model=model,
-        response_store=open_store(config.frontend.responses_store),
+        response_store=response_store,
         batch_store=batch_store,
         batches=BatchRunner(
             batch_store,
