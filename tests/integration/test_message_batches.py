@@ -1,8 +1,8 @@
 """Anthropic's Message Batches through the official `anthropic` SDK, on a disaggregated cluster
 with two frontend processes (a batch runs in the one that created it; any answers for it): a
 batch of 100 outlives a generation worker killed mid-batch with every result present, a cancel
-ends a batch early, and a running batch has no results yet and cannot be deleted. (Bad batches
-get Anthropic's errors without a cluster: tests/unit/frontend/test_anthropic_routes.py.)"""
+ends a batch early. (Bad batches get Anthropic's errors, and a running batch refuses results and
+delete, without a cluster: tests/unit/frontend/test_anthropic_routes.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import signal
 import time
 
 import anthropic
-import httpx
 import pytest
 
 from tests.integration.harness import MODEL, Cluster
@@ -100,15 +99,3 @@ def test_cancel_ends_a_batch_early_and_the_list_shows_it(cluster: Cluster) -> No
     sdk.messages.batches.delete(batch.id)
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.batches.retrieve(batch.id)
-
-
-def test_a_running_batch_has_no_results_and_cannot_be_deleted(cluster: Cluster) -> None:
-    url = f"{cluster.url}/v1/messages/batches"
-    running = client(cluster).messages.batches.create(
-        requests=[{"custom_id": "slow", "params": params(0, 200)}]  # type: ignore[list-item]
-    )
-    early = httpx.get(f"{url}/{running.id}/results", timeout=30)
-    assert early.status_code == 400 and "not ended" in early.text
-    assert httpx.delete(f"{url}/{running.id}", timeout=30).status_code == 400
-    client(cluster).messages.batches.cancel(running.id)
-    wait_ended(cluster, running.id, 60)

@@ -1,6 +1,6 @@
 """The HTTP surface against a real disaggregated cluster, through the official `openai` and
-`anthropic` SDKs: every route, streaming and not, and the request semantics. The 4xx answers,
-which need no cluster, are tests/unit/frontend's."""
+`anthropic` SDKs: every generation route, streaming and not, and the request semantics. The 4xx
+answers and the routes that need no cluster (models, tokenize) are tests/unit/frontend's."""
 
 from __future__ import annotations
 
@@ -146,24 +146,6 @@ def test_echo_logprobs_and_best_of(oai) -> None:
 # --- the other routes -----------------------------------------------------------------------------
 
 
-def test_models_version_tokenize_detokenize(cluster, oai, tiny_model_path: Path) -> None:
-    assert [m.id for m in oai.models.list()] == [MODEL]
-    assert httpx.get(f"{cluster.url}/version", timeout=10).json()["version"]
-    tokens = httpx.post(
-        f"{cluster.base_url}/tokenize", json={"prompt": TEST_PROMPTS[2]}, timeout=10
-    ).json()
-    expected = AutoTokenizer.from_pretrained(tiny_model_path)(TEST_PROMPTS[2]).input_ids
-    assert tokens["tokens"] == expected and tokens["count"] == len(expected)
-    text = httpx.post(f"{cluster.base_url}/detokenize", json={"tokens": expected}, timeout=10)
-    assert text.json()["prompt"] == TEST_PROMPTS[2]
-    rendered = httpx.post(f"{cluster.base_url}/tokenize", json={"messages": CHAT}, timeout=10)
-    hf = AutoTokenizer.from_pretrained(tiny_model_path).apply_chat_template(
-        CHAT, add_generation_prompt=True, tokenize=True
-    )
-    hf_ids = hf["input_ids"] if isinstance(hf, dict) or hasattr(hf, "keys") else hf
-    assert rendered.json()["tokens"] == list(hf_ids)
-
-
 def test_health_generate_and_openapi(cluster) -> None:
     assert httpx.get(f"{cluster.url}/health_generate", timeout=60).status_code == 200
     document = httpx.get(f"{cluster.url}/openapi.json", timeout=10).json()
@@ -274,12 +256,6 @@ def test_a_null_sampling_field_means_the_default(cluster: Cluster) -> None:
                                 "temperature": None})  # fmt: skip
     assert response.status_code == 200  # null means the default, as a missing value does
     assert response.json()["choices"][0]["message"]["refusal"] is None
-
-
-def test_models_retrieve(oai) -> None:
-    assert oai.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
-        oai.models.retrieve("no-such-model")
 
 
 def test_best_of_returns_the_most_likely_of_its_samples(oai) -> None:

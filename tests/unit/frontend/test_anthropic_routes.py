@@ -3,6 +3,8 @@ Anthropic's error shape and status, and none of it reaches the cluster."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -30,16 +32,13 @@ TIME = {
 ANTHROPIC_TOOLS = [WEATHER, TIME]
 
 
-# each test's requests are refused before anything is submitted
-pytestmark = pytest.mark.usefixtures("nothing_reaches_the_cluster")
-
-
 def params(i: int, max_tokens: int = 6, **extra: object) -> dict:
     messages = [{"role": "user", "content": f"Question {i}: tell me about the river."}]
     return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "messages": messages,
             **extra}  # fmt: skip
 
 
+@pytest.mark.usefixtures("nothing_reaches_the_cluster")
 @pytest.mark.parametrize(
     ("options", "says"),
     [
@@ -63,6 +62,7 @@ def test_anthropic_requests_it_cannot_serve_are_400(http: TestClient, options, s
     assert error["type"] == "invalid_request_error" and says in error["message"], error
 
 
+@pytest.mark.usefixtures("nothing_reaches_the_cluster")
 def test_bad_batches_get_anthropic_errors(http: TestClient) -> None:
     url = "/v1/messages/batches"
     cases = [
@@ -81,3 +81,21 @@ def test_bad_batches_get_anthropic_errors(http: TestClient) -> None:
     for path in ("msgbatch_nope", "msgbatch_nope/results"):
         missing = http.get(f"{url}/{path}")
         assert missing.status_code == 404 and missing.json()["type"] == "error"
+
+
+def test_a_running_batch_has_no_results_and_cannot_be_deleted(http: TestClient, fake) -> None:
+    """The fake cluster never answers: the batch runs until it is canceled, and its request is
+    aborted then."""
+    url = "/v1/messages/batches"
+    created = http.post(url, json={"requests": [{"custom_id": "slow", "params": params(0, 200)}]})
+    assert created.status_code == 200, created.text
+    running = created.json()
+    early = http.get(f"{url}/{running['id']}/results")
+    assert early.status_code == 400 and "not ended" in early.text
+    assert http.delete(f"{url}/{running['id']}").status_code == 400
+    assert http.post(f"{url}/{running['id']}/cancel").status_code == 200
+    deadline = time.monotonic() + 60
+    while http.get(f"{url}/{running['id']}").json()["processing_status"] != "ended":
+        assert time.monotonic() < deadline, "the canceled batch did not end"
+        time.sleep(0.1)
+    assert fake.aborted == [r.request_id for r in fake.submitted] and len(fake.aborted) == 1
