@@ -24,9 +24,7 @@ from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, check_token_ids, new_request_id
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
-    Penalty,
-    Temperature,
-    TopP,
+    SamplingFields,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -94,23 +92,19 @@ class Tool(_Strict):
     type: Literal["function"] = "function"
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(
+    SamplingFields, forbid_unknown_fields=True, kw_only=True, omit_defaults=True
+):
+    """The body of POST /v1/chat/completions: the sampling fields (SamplingFields) and these."""
+
     model: str
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: Temperature | None = None  # None: the model's default (frontend/sampling.py)
-    top_p: TopP | None = None
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # At most this many tokens of thinking; then the end-of-thinking marker is forced (vLLM's
@@ -138,28 +132,17 @@ class ChatCompletionRequest(_Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None  # Lark, llguidance's dialect
     # extensions, as in vLLM
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
     return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
     return_perf_metrics: bool = False  # where the time went (StageTimes), in the answer
     # the prompt as token ids: the template is not rendered (messages are still required by the
     # schema, and give the tools' and parsers' context only)
     prompt_token_ids: list[int] | None = None
     prompt_token_ids_b64: str | None = None
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     cache_salt: str | None = None
     priority: int = 0
-    best_of: int | None = None  # with use_beam_search: the beam width (else n)
-    use_beam_search: bool = False  # the n best of the beams returned
-    length_penalty: float | None = None  # beam search only (default 1.0)
-    early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:

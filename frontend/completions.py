@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -16,9 +16,7 @@ from common.sampling_params import MAX_N
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
-    Penalty,
-    Temperature,
-    TopP,
+    SamplingFields,
     check_logprobs,
     logit_bias,
     max_tokens_for,
@@ -32,40 +30,23 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
 
 
-class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
+    """The body of POST /v1/completions: the sampling fields (SamplingFields) and these."""
+
     model: str
     prompt: str | list[Any] | None = None  # a string, strings, token ids, or lists of ids
     suffix: str | None = None  # not supported: a 400 when set
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
-    temperature: Temperature | None = None  # None: the model's default (frontend/sampling.py)
-    top_p: TopP | None = None
-    n: int = 1
-    best_of: int | None = None  # sampled choices to rank, or with use_beam_search the beam width
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions, as in vLLM
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
     return_token_ids: bool = False  # prompt and output token ids in the answer (vLLM's)
     return_perf_metrics: bool = False  # where the time went (StageTimes), in the answer
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
     priority: int = 0
-    use_beam_search: bool = False  # best_of (else n) beams, the n best returned
-    length_penalty: float | None = None  # beam search only (default 1.0)
-    early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
     prompt_token_ids_b64: str | None = None  # base64 of little-endian int32 ids, instead of prompt
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -114,26 +114,33 @@ def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len:
     return requested
 
 
-class SamplingFields(Protocol):
-    """The sampling fields OpenAI's completion and chat bodies (and our extensions) share."""
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The sampling fields OpenAI's completion and chat bodies (and our extensions) share,
+    declared once: both request schemas extend it. temperature, top_p, top_k, min_p and
+    repetition_penalty left out (or null) take the model's default (SamplingDefaults)."""
 
-    n: int
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int | None
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    min_tokens: int
-    skip_special_tokens: bool
-    best_of: int | None
-    use_beam_search: bool
-    length_penalty: float | None
-    early_stopping: bool | Literal["never"] | None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: int = 1
+    # completions: sampled choices to rank, or with use_beam_search the beam width; chat: only
+    # the beam width (use_beam_search required)
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extensions, as in vLLM
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    use_beam_search: bool = False  # best_of (else n) beams, the n best returned
+    length_penalty: float | None = None  # beam search only (default 1.0)
+    early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
 
 
 def beam_search(body: SamplingFields) -> BeamSearch | None:

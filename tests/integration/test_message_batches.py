@@ -1,17 +1,16 @@
 """Anthropic's Message Batches through the official `anthropic` SDK, on a disaggregated cluster
 with two frontend processes (a batch runs in the one that created it; any answers for it): a
 batch of 100 outlives a generation worker killed mid-batch with every result present, a cancel
-ends a batch early, and bad batches get Anthropic's errors."""
+ends a batch early. (Bad batches get Anthropic's errors, and a running batch refuses results and
+delete, without a cluster: tests/unit/frontend/test_anthropic_routes.py.)"""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from pathlib import Path
 
 import anthropic
-import httpx
 import pytest
 
 from tests.integration.harness import MODEL, Cluster
@@ -100,31 +99,3 @@ def test_cancel_ends_a_batch_early_and_the_list_shows_it(cluster: Cluster) -> No
     sdk.messages.batches.delete(batch.id)
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.batches.retrieve(batch.id)
-
-
-def test_bad_batches_get_anthropic_errors(cluster: Cluster, tmp_path: Path) -> None:
-    url = f"{cluster.url}/v1/messages/batches"
-    cases = [
-        {"requests": []},
-        {"requests": [{"custom_id": "a", "params": params(0)}] * 2},
-        {"requests": [{"custom_id": "has space", "params": params(0)}]},
-        {"requests": [{"custom_id": "s", "params": params(0, stream=True)}]},
-        {"requests": [{"custom_id": "x", "params": {"model": MODEL}}]},
-    ]
-    for body in cases:
-        answer = httpx.post(url, json=body, timeout=30)
-        assert answer.status_code == 400, (body, answer.text)
-        assert answer.json()["error"]["type"] == "invalid_request_error"
-    wrong_model = {"requests": [{"custom_id": "m", "params": {**params(0), "model": "claude"}}]}
-    assert httpx.post(url, json=wrong_model, timeout=30).status_code == 404
-    for path in ("msgbatch_nope", "msgbatch_nope/results"):
-        missing = httpx.get(f"{url}/{path}", timeout=30)
-        assert missing.status_code == 404 and missing.json()["type"] == "error"
-    running = client(cluster).messages.batches.create(
-        requests=[{"custom_id": "slow", "params": params(0, 200)}]  # type: ignore[list-item]
-    )
-    early = httpx.get(f"{url}/{running.id}/results", timeout=30)
-    assert early.status_code == 400 and "not ended" in early.text
-    assert httpx.delete(f"{url}/{running.id}", timeout=30).status_code == 400
-    client(cluster).messages.batches.cancel(running.id)
-    wait_ended(cluster, running.id, 60)

@@ -142,25 +142,6 @@ def test_json_schema_text_format(oai) -> None:
     assert set(json.loads(response.output_text)) == {"city"}
 
 
-@pytest.mark.parametrize(
-    ("fields", "says"),
-    [
-        ({"tools": [{"type": "web_search"}]}, "function tools only"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "text only"),
-        ({"text": {"format": {"type": "xml"}}}, "text.format"),
-        ({"background": True}, "background"),
-        ({"bogus": 1}, "bogus"),
-    ],
-)  # fmt: skip
-def test_what_it_cannot_serve_is_a_400_that_says_why(cluster: Cluster, fields, says) -> None:
-    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
-    response = httpx.post(f"{cluster.base_url}/responses", json=body, timeout=30)
-    assert response.status_code == 400, response.text
-    assert says in response.json()["error"]["message"], response.text
-    openai_spec.check("ErrorResponse", response.json())
-
-
 def test_frontends_sharing_a_redis_store_continue_each_others_responses(start_cluster) -> None:
     """responses_store: redis:// for frontends on several hosts: two frontend processes (the
     port's connections split between them) read what the other stored."""

@@ -83,25 +83,3 @@ def test_chat_prompt_token_ids_skip_the_template_and_give_the_same_answer(cluste
         cluster, "chat/completions", {**GREEDY, "messages": ASK, "prompt_token_ids": other}
     )
     assert answer.json()["usage"]["prompt_tokens"] == len(other)
-
-
-@pytest.mark.parametrize(
-    ("extra", "param"),
-    [
-        ({"prompt_token_ids": [1, 2], "prompt_token_ids_b64": encode_token_ids([1, 2])},
-         "prompt_token_ids"),
-        ({"prompt_token_ids": []}, "prompt_token_ids"),
-        ({"prompt_token_ids": [10**9]}, "prompt_token_ids"),
-        ({"prompt_token_ids_b64": "AAA"}, "prompt_token_ids_b64"),
-        ({"prompt_token_ids": [1, 2, 3], "tool_choice": {"type": "function",
-          "function": {"name": "get_time"}}, "tools": [{"type": "function", "function": {
-              "name": "get_time", "parameters": {"type": "object", "properties": {}}}}]},
-         "tool_choice"),
-    ],
-)  # fmt: skip
-def test_bad_prompt_ids_and_a_forced_call_on_ids_are_400s(
-    cluster: Cluster, extra: dict, param: str
-) -> None:
-    response = post(cluster, "chat/completions", {**GREEDY, "messages": ASK, **extra})
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param

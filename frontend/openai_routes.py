@@ -1,0 +1,45 @@
+"""The OpenAI generation endpoints: POST /v1/completions, /v1/chat/completions and
+/v1/embeddings. Each decodes its body, translates it off the loop and hands it to `serve`."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend import chat, completions, embeddings
+from frontend.endpoint import check_model, decode_body, state_of, translate
+from frontend.generation import serve
+
+
+async def create_completion(request: Request) -> Response:
+    state = state_of(request)
+    body = await decode_body(request, completions.CompletionRequest)
+    check_model(state.model, body.model)
+    generates = await translate(
+        completions.to_generate_requests, body, state.model, state.client.reply_to
+    )
+    timeout_s = state.config.frontend.request_timeout_seconds
+    return await serve(request, state.client, generates, timeout_s=timeout_s)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = state_of(request)
+    body = await decode_body(request, chat.ChatCompletionRequest)
+    check_model(state.model, body.model)
+    allow_template = state.config.frontend.allow_request_chat_template
+    generates = await translate(
+        lambda: [chat.to_generate_request(body, state.model, state.client.reply_to, allow_template)]
+    )
+    timeout_s = state.config.frontend.request_timeout_seconds
+    return await serve(request, state.client, generates, timeout_s=timeout_s)
+
+
+async def create_embedding(request: Request) -> Response:
+    state = state_of(request)
+    body = await decode_body(request, embeddings.EmbeddingRequest)
+    check_model(state.model, body.model)
+    generates = await translate(
+        embeddings.to_generate_requests, body, state.model, state.client.reply_to
+    )
+    timeout_s = state.config.frontend.request_timeout_seconds
+    return await serve(request, state.client, generates, timeout_s=timeout_s)
