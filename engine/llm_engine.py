@@ -16,6 +16,7 @@ import torch
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
 from common.kv_events import KVEvent
+from common.protocol import FinishReason
 from common.sampling_params import SamplingParams
 from engine.beam_search import BeamGroup
 from engine.block_pool import NoFreeBlocksError
@@ -43,7 +44,7 @@ class TokenOutput:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
-    finish_reason: str | None  # stop | length | abort, once finished
+    finish_reason: FinishReason | None  # stop | length | abort, once finished
     num_prompt_tokens: int
     num_cached_tokens: int
     # With the first token of choice 0, when asked for: each prompt token's log-prob given the

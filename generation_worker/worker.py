@@ -24,6 +24,7 @@ from common.protocol import (
     FAILED,
     Abort,
     DecodeRequest,
+    FinishReason,
     KVPool,
     Message,
     PeersRequest,
@@ -68,10 +69,18 @@ class ActiveRequest:
     lease_deadline: float = math.inf  # when the source may reuse the prompt's blocks, our clock
     times: StageTimes = field(default_factory=StageTimes)  # the stages up to the first token
     started: set[int] = field(default_factory=set)  # choices that have had an output here
+    _prompt: list[int] | None = None
 
     @property
     def request_id(self) -> str:
         return self.decode.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt's token ids, decoded from the wire once; ValueError when malformed."""
+        if self._prompt is None:
+            self._prompt = decode_token_ids(self.decode.request.prompt_token_ids_b64)
+        return self._prompt
 
 
 def first_tokens(prefill: PrefillDone) -> dict[int, int]:
@@ -209,10 +218,9 @@ class GenerationWorker:
             active = ActiveRequest(decode, set(range(request.sampling.n)), received_at=now)
             self.active[request.request_id] = active
             try:
-                prompt = decode_token_ids(request.prompt_token_ids_b64)
                 self.engine.add_request(
                     request.request_id,
-                    prompt,
+                    active.prompt,
                     request.sampling,
                     request.extra_keys,
                     priority=request.priority,
@@ -267,18 +275,18 @@ class GenerationWorker:
                     request.request_id, prefill.agent_name)  # fmt: skip
         self.release_source(decode)
         self.prompts_recomputed += 1
+        active = self.active[request.request_id]
         try:
-            prompt = decode_token_ids(request.prompt_token_ids_b64)
             self.engine.add_continued_request(
                 request.request_id,
-                prompt,
+                active.prompt,
                 request.sampling,
                 first_tokens(prefill),
                 request.extra_keys,
                 priority=request.priority,
             )
         except (InvalidRequest, ValueError) as e:
-            self.fail(self.active[request.request_id], 400, str(e), getattr(e, "param", "prompt"))
+            self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
 
     def ask_for_peers(self) -> None:
         now = self.clock()
@@ -292,10 +300,9 @@ class GenerationWorker:
         assert prefill is not None
         active = self.active[request.request_id]
         try:
-            prompt = decode_token_ids(request.prompt_token_ids_b64)
             planned = self.engine.add_pulled_request(
                 request.request_id,
-                prompt,
+                active.prompt,
                 request.sampling,
                 first_tokens(prefill),
                 prefill.first[0].num_cached_tokens,
@@ -449,7 +456,7 @@ class GenerationWorker:
         self.out.extend(self.batches.items())
         self.batches.clear()
 
-    def finish(self, active: ActiveRequest, reason: str) -> None:
+    def finish(self, active: ActiveRequest, reason: FinishReason) -> None:
         del self.active[active.request_id]
         finished = RequestFinished(
             request_id=active.request_id,
@@ -461,7 +468,7 @@ class GenerationWorker:
         )
         self.out.append((ORCHESTRATOR, finished))
 
-    def end(self, active: ActiveRequest, reason: str = "abort") -> None:
+    def end(self, active: ActiveRequest, reason: FinishReason = "abort") -> None:
         """End every unfinished choice, so the postproc worker drops the request: "abort" (the
         client is gone or a stop string ended it) closes the response normally; FAILED closes
         nothing, the frontend hears of the failure from the orchestrator (an "abort" ending could
