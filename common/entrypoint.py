@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import msgspec
 import zmq
@@ -25,8 +24,8 @@ from zmq.auth.base import Authenticator
 
 from common.config import ClusterConfig, load_cluster_config
 from common.curve import MissingKeys, cluster_keys, secure
-from common.protocol import Registered
-from common.worker_link import EXIT_REFUSED, OrchestratorLink
+from common.worker_link import EXIT_REFUSED
+from common.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +76,6 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-class Worker(Protocol):
-    link: OrchestratorLink
-
-    def on_registered(self, registered: Registered) -> None: ...
-
-    def step(self) -> None: ...
-
-    def idle(self) -> bool: ...
-
-    def close(self) -> None: ...
-
-
 def worker_signals() -> tuple[threading.Event, threading.Event]:
     """(stop, drain): set by SIGINT and SIGTERM respectively."""
     stop, drain = threading.Event(), threading.Event()
@@ -99,7 +86,7 @@ def worker_signals() -> tuple[threading.Event, threading.Event]:
 
 def run_worker(
     description: str,
-    make_worker: Callable[[ClusterConfig, str, zmq.Context], Worker],
+    make_worker: Callable[[ClusterConfig, str, zmq.Context], WorkerProcess],
     argv: list[str] | None = None,
 ) -> None:
     """A worker process: build it, register, step until SIGINT or drained, release everything."""
@@ -133,7 +120,7 @@ def run_worker(
         logger.info("stopped")
 
 
-def drain_done(worker: Worker, config: ClusterConfig, started: float) -> bool:
+def drain_done(worker: WorkerProcess, config: ClusterConfig, started: float) -> bool:
     """A draining worker may leave: it is drained, or its drain time is up (what it still holds
     fails), or it holds nothing and the orchestrator has not answered its Drain for a worker
     timeout (gone: nothing new can come from it)."""

@@ -42,9 +42,14 @@ from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7  # 7: finish reasons typed (FinishReason)
 
 Role = Literal["context", "generation", "postproc", "frontend"]
+
+# Why a choice ended: the engine's own reasons ("stop": a stop token or EOS, "length":
+# max_tokens or the context, "abort": aborted), and FAILED, a request that failed (the error
+# reaches the frontend from the orchestrator). Decoding rejects any other value.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class _Message(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
@@ -242,7 +247,7 @@ class Heartbeat(_Message, tag="heartbeat"):
 # TokenDelta.finish_reason of a request that failed: its postproc worker drops it and sends the
 # frontend nothing, since the frontend hears of the failure (the error to answer) from the
 # orchestrator.
-FAILED = "error"
+FAILED: FinishReason = "error"
 
 
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -253,7 +258,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs, with choice 0's first token: (log-prob, top alternatives)
@@ -309,7 +314,7 @@ class RequestFinished(_Message, tag="finished"):
 
     request_id: str
     worker_id: str
-    finish_reason: str
+    finish_reason: FinishReason
     num_output_tokens: int = 0
     transfer_num_bytes: int = 0  # KV pulled over NIXL for this request
     transfer_seconds: float = 0.0

@@ -1,31 +1,27 @@
 """The context worker's loop: prefill requests, sample each choice's first token, and lease the
 prompt's blocks to the generation worker that will read them over NIXL.
 
-One `step()`: take commands, free the leases whose blocks were read (or expired), run one engine
-step, and answer each request whose first tokens are all sampled with a PrefillDone.
+Socket-free (common/worker_process.py drives it): `handle()` takes commands; one `step()` frees
+the leases whose blocks were read (or expired), runs one engine step, and answers each request
+whose first tokens are all sampled with a PrefillDone. Both return what to send.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
-
-import zmq
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Message,
     PrefillDone,
     PrefillRequest,
     Profile,
     ProfileDone,
-    Register,
-    Registered,
     RequestFailed,
     StageTimes,
     TokenBatch,
@@ -33,71 +29,95 @@ from common.protocol import (
     WorkerStats,
     decode_token_ids,
 )
-from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
+from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from context_worker.leases import LeaseTable
-from engine.llm_engine import TokenOutput
+from engine.kv_transfer import KVTransferAgent
+from engine.llm_engine import LLMEngine, TokenOutput
 from engine.profiling import EngineProfiler
-from engine.serving import (
-    KVEventRelay,
-    build_engine,
-    to_delta,
-    worker_stats,
-)
+from engine.serving import kv_events, to_delta, worker_stats
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5  # NIXL notifications do not wake a zmq poll: bound their latency
-FAULT_LINGER_MS = 2000  # an exiting worker's last messages get this long to go out
+
+
+@dataclass(slots=True)
+class Prefilling:
+    """A request prefilling here, until every choice has its first token."""
+
+    prefill: PrefillRequest
+    received_at: float  # the worker's clock
+    first: list[TokenDelta] = field(default_factory=list)  # the choices' first tokens so far
+
+    @property
+    def request_id(self) -> str:
+        return self.prefill.request.request_id
+
+    @property
+    def num_first_tokens(self) -> int:
+        """How many first tokens complete it (a beam search: one offer)."""
+        sampling = self.prefill.request.sampling
+        return 1 if sampling.beam else sampling.n
 
 
 class ContextWorker:
-    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+    """`agent`: the NIXL agent over the engine's KV pool (readers' notifications free leases);
+    `clock`: what the worker reads the time from (time.monotonic; tests pass their own)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KVTransferAgent,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.worker_id = worker_id
-        self.engine, self.agent = build_engine(config, worker_id, config.context_workers)
+        self.engine, self.agent = engine, agent
+        self.clock = clock
         self.leases = LeaseTable(config.transfer.lease_seconds)
-        self.prefilling: dict[str, PrefillRequest] = {}
-        self.received_at: dict[str, float] = {}  # time.monotonic(), per request prefilling
-        self.first_tokens: dict[str, list[TokenDelta]] = {}
-        self.push = PushSockets(context)
-        self.events = KVEventRelay(config, worker_id, context)
+        self.prefilling: dict[str, Prefilling] = {}
         self.profiler = EngineProfiler(
             config.profiler.dir, worker_id, config.device, config.profiler.max_steps
         )
-        register = Register(
-            worker_id=worker_id,
-            role="context",
-            num_blocks=config.kv_cache.num_blocks,
-            events_address=self.events.events_address,
-            protocol_version=PROTOCOL_VERSION,
-            pid=os.getpid(),
-            kv_pool=self.agent.info(),
-        )
-        self.link = OrchestratorLink(context, config.orchestrator, register, self.stats)
+        self.out: Outbox = []  # what the current handle() / step() sends
 
     def stats(self) -> WorkerStats:
         return worker_stats(self.engine, len(self.prefilling) + len(self.leases))
 
-    def on_registered(self, registered: Registered) -> None:
-        pass  # context workers need nothing from their peers
+    def wait_ms(self) -> int:
+        return 0 if self.engine.has_unfinished() else IDLE_POLL_MS
 
-    def step(self) -> None:
-        if not self.engine.has_unfinished():
-            self.link.socket.poll(IDLE_POLL_MS)
-        for message in self.link.receive():
-            self.handle(message)
-        self.end_leases()
+    def handle(self, message: Message, now: float) -> Outbox:
+        if isinstance(message, PrefillRequest):
+            self.start(message, now)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+        elif isinstance(message, Profile):
+            self.answer_profile(self.profiler.answer(message))
+        return self.take_out()
+
+    def step(self, now: float) -> Outbox:
+        self.end_leases(now)
         if self.engine.has_unfinished():
             self.collect(self.run_engine_step())
             self.profiler.step_done()
         self.answer_profile(self.profiler.poll())
-        self.events.relay(self.engine, self.link)
-        self.link.progress()
+        events = kv_events(self.engine, self.worker_id)
+        if events is not None:
+            self.out.append((ORCHESTRATOR, events))
+        return self.take_out()
+
+    def take_out(self) -> Outbox:
+        out, self.out = self.out, []
+        return out
 
     def run_engine_step(self) -> list[TokenOutput]:
         """One engine step. One that raises leaves the engine's state untrustworthy: every
         prefill in progress fails now with a 500 and the process exits for the supervisor to
-        start a clean one (the seed's executor-fault boundary); a reader of one of its leases
-        finds its source gone and prefills the prompt itself (transfer.recompute_on_failure)."""
+        start a clean one (the seed's executor-fault boundary, EngineFault); a reader of one of
+        its leases finds its source gone and prefills the prompt itself
+        (transfer.recompute_on_failure)."""
         try:
             return self.engine.step()
         except Exception:
@@ -105,18 +125,9 @@ class ContextWorker:
                              len(self.prefilling))  # fmt: skip
             for request_id in list(self.prefilling):
                 self.fail(request_id, "the context worker failed and is restarting", None, 500)
-            self.link.close(linger_ms=FAULT_LINGER_MS)  # the failures must leave first
-            sys.exit(EXIT_ENGINE_FAULT)
+            raise EngineFault(self.take_out()) from None
 
-    def handle(self, message: Message) -> None:
-        if isinstance(message, PrefillRequest):
-            self.start(message)
-        elif isinstance(message, Abort):
-            self.abort(message.request_id)
-        elif isinstance(message, Profile):
-            self.answer_profile(self.profiler.answer(message))
-
-    def start(self, prefill: PrefillRequest) -> None:
+    def start(self, prefill: PrefillRequest, now: float) -> None:
         request = prefill.request
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
@@ -134,8 +145,7 @@ class ContextWorker:
         except ValueError as e:
             self.fail(request.request_id, str(e), "prompt")
             return
-        self.prefilling[request.request_id] = prefill
-        self.received_at[request.request_id] = time.monotonic()
+        self.prefilling[request.request_id] = Prefilling(prefill, received_at=now)
 
     def fail(
         self, request_id: str, message: str, param: str | None, status_code: int = 400
@@ -147,30 +157,28 @@ class ContextWorker:
             code="invalid_request" if status_code == 400 else "internal_error",
             param=param,
         )
-        self.link.send(failed)
+        self.out.append((ORCHESTRATOR, failed))
 
     def collect(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
-            prefill = self.prefilling.get(out.request_id)
-            if prefill is None:
+            prefilling = self.prefilling.get(out.request_id)
+            if prefilling is None:
                 continue
-            first = self.first_tokens.setdefault(out.request_id, [])
-            first.append(to_delta(out))
-            sampling = prefill.request.sampling
-            if len(first) == (1 if sampling.beam else sampling.n):  # a beam search: its offer
+            prefilling.first.append(to_delta(out))
+            if len(prefilling.first) == prefilling.num_first_tokens:
                 times = StageTimes(
                     queue_s=out.queue_s,
                     prefill_s=out.run_s,
-                    first_token_s=time.monotonic() - self.received_at[out.request_id],
+                    first_token_s=self.clock() - prefilling.received_at,
                 )
-                self.finish(prefill, sorted(first, key=lambda d: d.index), times)
+                self.finish(prefilling, times)
 
-    def finish(self, prefill: PrefillRequest, first: list[TokenDelta], times: StageTimes) -> None:
+    def finish(self, prefilling: Prefilling, times: StageTimes) -> None:
         """Lease the prompt's blocks to a reader, or, when the first tokens already end every
         choice, free them and hand the tokens to the postproc worker directly."""
-        request_id = prefill.request.request_id
-        del self.prefilling[request_id], self.first_tokens[request_id]
-        del self.received_at[request_id]
+        request_id, prefill = prefilling.request_id, prefilling.prefill
+        del self.prefilling[request_id]
+        first = sorted(prefilling.first, key=lambda d: d.index)
         done = PrefillDone(
             request_id=request_id,
             worker_id=self.worker_id,
@@ -182,42 +190,36 @@ class ContextWorker:
             self.engine.release_held(request_id)
             for delta in first:
                 delta.times = times
-            self.push.send(
-                prefill.postproc_address, TokenBatch(deltas=first, first=[prefill.request])
-            )
+            batch = TokenBatch(deltas=first, first=[prefill.request])
+            self.out.append((prefill.postproc_address, batch))
         else:
             done.block_ids = self.engine.held_block_table(request_id)
-            self.leases.add(request_id, time.monotonic())
+            self.leases.add(request_id, self.clock())
             done.lease_s = self.leases.lease_s
-        self.link.send(done)
+        self.out.append((ORCHESTRATOR, done))
 
-    def end_leases(self) -> None:
+    def end_leases(self, now: float) -> None:
         for _peer, note in self.agent.take_notifications():
             request_id = note.decode(errors="replace")
             if self.leases.release(request_id):
                 self.engine.release_held(request_id)
-        for request_id in self.leases.expired(time.monotonic()):
+        for request_id in self.leases.expired(now):
             logger.warning("%s: lease expired before its KV was read; blocks freed", request_id)
             self.engine.release_held(request_id)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)  # frees held blocks too
         self.prefilling.pop(request_id, None)
-        self.received_at.pop(request_id, None)
-        self.first_tokens.pop(request_id, None)
         self.leases.release(request_id)
 
-    def idle(self) -> bool:
+    def idle(self, now: float) -> bool:
         """Nothing to finish: no prefill running, no lease a reader may still need."""
         return not self.prefilling and not self.leases and not self.engine.has_unfinished()
 
     def answer_profile(self, done: ProfileDone | None) -> None:
         if done is not None:
-            self.link.send(done)
+            self.out.append((ORCHESTRATOR, done))
 
     def close(self) -> None:
         self.profiler.close()
-        self.events.close()
         self.agent.close()
-        self.push.close()
-        self.link.close()

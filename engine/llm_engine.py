@@ -15,6 +15,8 @@ import torch
 
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
+from common.kv_events import KVEvent
+from common.protocol import FinishReason
 from common.sampling_params import SamplingParams
 from engine.beam_search import BeamGroup
 from engine.block_pool import NoFreeBlocksError
@@ -22,7 +24,7 @@ from engine.config import EngineConfig
 from engine.guided import GrammarCompiler
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from engine.linear import choose_layout, pack_linear_layers
 from engine.model import load_model, use_c_decode_step, use_cpu_kernels
 from engine.model_config import ModelConfig
@@ -42,7 +44,7 @@ class TokenOutput:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
-    finish_reason: str | None  # stop | length | abort, once finished
+    finish_reason: FinishReason | None  # stop | length | abort, once finished
     num_prompt_tokens: int
     num_cached_tokens: int
     # With the first token of choice 0, when asked for: each prompt token's log-prob given the
@@ -54,6 +56,16 @@ class TokenOutput:
     # A prefill-only beam search's prompt (token_id -1): the first step's best continuations,
     # (token id, log-prob), for the reader to start its beams from
     beam_candidates: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionCounters:
+    """Since the engine started: what admission found in the prefix cache, and the queue."""
+
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # ... and found there
+    num_admitted: int  # first admissions ...
+    queue_seconds: float  # ... and the seconds they waited for them, in all
 
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
@@ -290,10 +302,51 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """Any of the request's sequences is here: queued, running, pulling or held."""
+        return self.scheduler.has_request(request_id)
+
     @property
     def num_running(self) -> int:
         """Sequences holding a decode slot: in the batch, or beams parked between steps."""
         return len(self.scheduler.running) + len(self.scheduler.parked)
+
+    @property
+    def num_batched(self) -> int:
+        """Sequences in the batch (no parked beams)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_active_tokens(self) -> int:
+        """Tokens of the queued and batched sequences."""
+        return sum(s.num_tokens for s in [*self.scheduler.running, *self.scheduler.waiting])
+
+    @property
+    def kv_usage(self) -> KVCacheStats:
+        return self.kv.usage
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def admission(self) -> AdmissionCounters:
+        scheduler = self.scheduler
+        return AdmissionCounters(
+            prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
+            prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
+            num_admitted=scheduler.num_admitted,
+            queue_seconds=scheduler.queue_seconds,
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call (for the orchestrator's router)."""
+        return self.kv.take_events()
 
     def step(self) -> list[TokenOutput]:
         out = self.scheduler.schedule()

@@ -12,7 +12,6 @@ from common.config import ClusterConfig, ContextWorkersConfig, GenerationWorkers
 from common.cpu_placement import place_engine
 from common.kv_events import KVEventPublisher
 from common.protocol import KVEvents, TokenDelta, WorkerStats
-from common.worker_link import OrchestratorLink
 from engine.config import EngineConfig
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
@@ -88,54 +87,38 @@ def to_delta(out: TokenOutput) -> TokenDelta:
 
 def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -> WorkerStats:
     """`num_queued`: requests the worker holds outside the engine (waiting for blocks)."""
-    usage = engine.kv.usage
-    scheduler = engine.scheduler
-    active_tokens = sum(s.num_tokens for s in [*scheduler.running, *scheduler.waiting])
+    usage, admission = engine.kv_usage, engine.admission
     return WorkerStats(
         active_requests=active_requests,
-        active_tokens=active_tokens,
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting) + num_queued,
+        active_tokens=engine.num_active_tokens,
+        num_running=engine.num_batched,
+        num_waiting=engine.num_waiting + num_queued,
         blocks_used=usage.used,
         blocks_cached=usage.cached,
         blocks_total=usage.total,
         blocks_leased=engine.num_held_blocks,
         prompt_tokens_computed=engine.num_prompt_tokens_computed,
         generation_tokens=engine.num_generated_tokens,
-        prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
-        prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
-        num_admitted=scheduler.num_admitted,
-        queue_seconds=scheduler.queue_seconds,
+        prefix_cache_queried_tokens=admission.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=admission.prefix_cache_hit_tokens,
+        num_admitted=admission.num_admitted,
+        queue_seconds=admission.queue_seconds,
     )
 
 
-class KVEventRelay:
-    """Each step, the engine's new KV events go to the orchestrator (routing, /kv_cache_events)
-    and, when configured, out on the worker's vLLM-compatible PUB socket."""
+def kv_events(engine: LLMEngine, worker_id: str) -> KVEvents | None:
+    """The engine's new prefix-cache events, for the orchestrator (routing, /kv_cache_events)
+    and the worker's PUB socket; None when there are none."""
+    events = engine.take_kv_events()
+    return KVEvents(worker_id=worker_id, events=events) if events else None
 
-    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
-        self.worker_id = worker_id
-        endpoint, replay = event_endpoints(config, worker_id)
-        events = config.kv_cache.events
-        self.publisher = (
-            KVEventPublisher(context, endpoint, replay, events.topic, events.buffer_steps)
-            if endpoint is not None
-            else None
-        )
 
-    @property
-    def events_address(self) -> str:
-        return self.publisher.endpoint if self.publisher is not None else ""
-
-    def relay(self, engine: LLMEngine, link: OrchestratorLink) -> None:
-        events = engine.kv.take_events()
-        if events:
-            link.send(KVEvents(worker_id=self.worker_id, events=events))
-            if self.publisher is not None:
-                self.publisher.publish(events)
-        if self.publisher is not None:
-            self.publisher.serve_replay()
-
-    def close(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
+def kv_event_publisher(
+    config: ClusterConfig, worker_id: str, context: zmq.Context
+) -> KVEventPublisher | None:
+    """The worker's vLLM-compatible KV-event PUB socket, when configured."""
+    endpoint, replay = event_endpoints(config, worker_id)
+    events = config.kv_cache.events
+    if endpoint is None:
+        return None
+    return KVEventPublisher(context, endpoint, replay, events.topic, events.buffer_steps)

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import os
+
+import zmq
+
+from common.config import ClusterConfig
 from common.entrypoint import run_worker
+from common.protocol import PROTOCOL_VERSION, Register
+from common.worker_process import WorkerProcess
+from engine.serving import build_engine, kv_event_publisher
 from generation_worker.worker import GenerationWorker
 
 
+def make_process(config: ClusterConfig, worker_id: str, context: zmq.Context) -> WorkerProcess:
+    """The worker with its engine, its NIXL agent and its sockets."""
+    engine, agent = build_engine(config, worker_id, config.generation_workers)
+    events = kv_event_publisher(config, worker_id, context)
+    worker = GenerationWorker(config, worker_id, engine, agent)
+    register = Register(
+        worker_id=worker_id,
+        role="generation",
+        num_blocks=config.kv_cache.num_blocks,
+        events_address=events.endpoint if events is not None else "",
+        protocol_version=PROTOCOL_VERSION,
+        pid=os.getpid(),
+    )
+    return WorkerProcess(context, config, worker, register, events=events)
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_worker("Generation (decode) worker", GenerationWorker, argv)
+    run_worker("Generation (decode) worker", make_process, argv)
 
 
 if __name__ == "__main__":

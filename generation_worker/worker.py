@@ -2,8 +2,9 @@
 worker over NIXL, decode them in one continuous batch, and push each step's tokens to the
 requests' postproc workers.
 
-One `step()`: take commands, start pulls while there is room, settle finished pulls, run one
-engine step, push the step's TokenBatches.
+Socket-free (common/worker_process.py drives it): `handle()` takes commands; one `step()` starts
+pulls while there is room, settles finished pulls, runs one engine step and flushes the step's
+TokenBatches. Both return what to send.
 """
 
 from __future__ import annotations
@@ -11,28 +12,25 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import os
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import (
     FAILED,
-    PROTOCOL_VERSION,
     Abort,
     DecodeRequest,
+    FinishReason,
     KVPool,
     Message,
     PeersRequest,
     PrefillDone,
     Profile,
     ProfileDone,
-    Register,
     Registered,
     RequestFailed,
     RequestFinished,
@@ -42,16 +40,11 @@ from common.protocol import (
     WorkerStats,
     decode_token_ids,
 )
-from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
-from engine.kv_transfer import KVTransferError
-from engine.llm_engine import TokenOutput
+from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
+from engine.kv_transfer import KVTransferAgent, KVTransferError
+from engine.llm_engine import LLMEngine, TokenOutput
 from engine.profiling import EngineProfiler
-from engine.serving import (
-    KVEventRelay,
-    build_engine,
-    to_delta,
-    worker_stats,
-)
+from engine.serving import kv_events, to_delta, worker_stats
 from generation_worker.arrival import ArrivalBound
 from generation_worker.pulls import Pull, plan_read
 
@@ -61,7 +54,6 @@ IDLE_POLL_MS = 5
 LEASE_MARGIN_S = 0.5  # a READ must finish this long before the source's lease ends
 MIN_READ_S = 1.0  # a waiting decode with less lease than margin + this is prefilled here instead
 PEERS_REQUEST_INTERVAL_S = 1.0
-FAULT_LINGER_MS = 2000  # an exiting worker's last messages get this long to go out
 
 
 @dataclass(slots=True)
@@ -73,14 +65,22 @@ class ActiveRequest:
     transfer_num_bytes: int = 0
     transfer_seconds: float = 0.0
     pending: list[TokenDelta] = field(default_factory=list)
-    received_at: float = 0.0  # time.monotonic() here
+    received_at: float = 0.0  # the worker's clock
     lease_deadline: float = math.inf  # when the source may reuse the prompt's blocks, our clock
     times: StageTimes = field(default_factory=StageTimes)  # the stages up to the first token
     started: set[int] = field(default_factory=set)  # choices that have had an output here
+    _prompt: list[int] | None = None
 
     @property
     def request_id(self) -> str:
         return self.decode.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt's token ids, decoded from the wire once; ValueError when malformed."""
+        if self._prompt is None:
+            self._prompt = decode_token_ids(self.decode.request.prompt_token_ids_b64)
+        return self._prompt
 
 
 def first_tokens(prefill: PrefillDone) -> dict[int, int]:
@@ -90,36 +90,39 @@ def first_tokens(prefill: PrefillDone) -> dict[int, int]:
 
 
 class GenerationWorker:
-    def __init__(self, config: ClusterConfig, worker_id: str, context: zmq.Context) -> None:
+    """`agent`: the NIXL agent that reads context workers' KV into the engine's pool; `clock`:
+    what the worker reads the time from (time.monotonic; tests pass their own)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KVTransferAgent,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.worker_id = worker_id
         self.config = config
-        self.engine, self.agent = build_engine(config, worker_id, config.generation_workers)
+        self.engine, self.agent = engine, agent
+        self.clock = clock
         self.max_num_seqs = config.generation_workers.max_num_seqs
         # prefilled, waiting for blocks or a slot: higher priority first, then arrival order
         self.waiting: list[DecodeRequest] = []
         self.pulls: dict[str, Pull] = {}
         self.active: dict[str, ActiveRequest] = {}
-        self.outbox: dict[str, TokenBatch] = {}  # postproc address -> this step's tokens
+        self.batches: dict[str, TokenBatch] = {}  # postproc address -> this step's tokens
+        self.out: Outbox = []  # what the current handle() / step() sends
         self.kv_bytes_pulled = 0
         self.kv_pull_seconds = 0.0
         self.kv_pull_failures = 0
         self.prompts_recomputed = 0  # handed-off prompts prefilled here: their KV was gone
         self._peers_asked_at = 0.0
-        self.arrivals = ArrivalBound(time.monotonic())  # what KV leases are counted from
-        self.push = PushSockets(context)
-        self.events = KVEventRelay(config, worker_id, context)
+        self.arrivals = ArrivalBound(clock())  # what KV leases are counted from
+        self._read_at = -math.inf  # the `now` of the last read seen, and its arrival bound
+        self._arrived_after = 0.0
         self.profiler = EngineProfiler(
             config.profiler.dir, worker_id, config.device, config.profiler.max_steps
         )
-        register = Register(
-            worker_id=worker_id,
-            role="generation",
-            num_blocks=config.kv_cache.num_blocks,
-            events_address=self.events.events_address,
-            protocol_version=PROTOCOL_VERSION,
-            pid=os.getpid(),
-        )
-        self.link = OrchestratorLink(context, config.orchestrator, register, self.stats)
 
     def stats(self) -> WorkerStats:
         stats = worker_stats(self.engine, len(self.active), len(self.waiting) + len(self.pulls))
@@ -129,16 +132,24 @@ class GenerationWorker:
         stats.prompts_recomputed = self.prompts_recomputed
         return stats
 
-    def on_registered(self, registered: Registered) -> None:
-        self.sync_peers(registered.peers)
+    def wait_ms(self) -> int:
+        return 0 if self.engine.has_unfinished() or self.pulls or self.waiting else IDLE_POLL_MS
 
-    def step(self) -> None:
-        if not (self.engine.has_unfinished() or self.pulls or self.waiting):
-            self.link.socket.poll(IDLE_POLL_MS)
-        # KV leases are counted from no later than the hand-off's arrival (arrival.py)
-        arrived_after = self.arrivals.read(time.monotonic())
-        for message in self.link.receive():
-            self.handle(message, arrived_after)
+    def handle(self, message: Message, now: float) -> Outbox:
+        """`now`: when the read of the socket that brought `message` began."""
+        if isinstance(message, DecodeRequest):
+            self.accept(message, now)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+        elif isinstance(message, Registered):
+            self.sync_peers(message.peers)
+        elif isinstance(message, Profile):
+            self.answer_profile(self.profiler.answer(message))
+        return self.take_out()
+
+    def step(self, now: float) -> Outbox:
+        """`now`: when this loop's read of the socket began (the one its handle() calls had)."""
+        self.arrived_after(now)  # every read counts, whether it brought messages or not
         self.start_pulls()
         self.settle_pulls()
         if self.engine.has_unfinished():
@@ -146,15 +157,28 @@ class GenerationWorker:
             self.profiler.step_done()
         self.flush()
         self.answer_profile(self.profiler.poll())
-        self.events.relay(self.engine, self.link)
-        self.link.progress()
+        events = kv_events(self.engine, self.worker_id)
+        if events is not None:
+            self.out.append((ORCHESTRATOR, events))
+        return self.take_out()
+
+    def take_out(self) -> Outbox:
+        out, self.out = self.out, []
+        return out
+
+    def arrived_after(self, now: float) -> float:
+        """What a message read by the read that began at `now` arrived no earlier than: KV
+        leases are counted from it (arrival.py). One bound per read, however many messages."""
+        if now != self._read_at:
+            self._read_at, self._arrived_after = now, self.arrivals.read(now)
+        return self._arrived_after
 
     def run_engine_step(self) -> list[TokenOutput]:
         """One engine step. One that raises leaves the engine's state (block tables, the batch,
         READs into its blocks) untrustworthy: every request this worker holds fails now with a
         500, and the process exits for the supervisor to start a clean one (the seed's
-        executor-fault boundary). A request's own bad input is refused at admission instead,
-        failing only that request."""
+        executor-fault boundary, EngineFault). A request's own bad input is refused at
+        admission instead, failing only that request."""
         try:
             return self.engine.step()
         except Exception:
@@ -162,20 +186,9 @@ class GenerationWorker:
                              "restarted", len(self.active))  # fmt: skip
             for active in list(self.active.values()):
                 message = "the generation worker failed and is restarting"
-                self.link.send(RequestFailed(request_id=active.request_id, status_code=500,
-                                             message=message, code="internal_error"))  # fmt: skip
-            self.link.close(linger_ms=FAULT_LINGER_MS)  # the failures must leave first
-            sys.exit(EXIT_ENGINE_FAULT)
-
-    def handle(self, message: Message, arrived_after: float) -> None:
-        if isinstance(message, DecodeRequest):
-            self.accept(message, arrived_after)
-        elif isinstance(message, Abort):
-            self.abort(message.request_id)
-        elif isinstance(message, Registered):
-            self.sync_peers(message.peers)
-        elif isinstance(message, Profile):
-            self.answer_profile(self.profiler.answer(message))
+                self.out.append((ORCHESTRATOR, RequestFailed(request_id=active.request_id,
+                    status_code=500, message=message, code="internal_error")))  # fmt: skip
+            raise EngineFault(self.take_out()) from None
 
     def sync_peers(self, pools: list[KVPool]) -> None:
         """Load each context worker's pool once (not per request); forget the departed."""
@@ -194,21 +207,20 @@ class GenerationWorker:
 
     # --- admission --------------------------------------------------------------------------------
 
-    def accept(self, decode: DecodeRequest, arrived_after: float) -> None:
+    def accept(self, decode: DecodeRequest, now: float) -> None:
         """Decode it; a prefilled one first waits for a slot and blocks to pull its KV into,
-        before its lease (counted from `arrived_after`, no later than its arrival) runs out."""
+        before its lease (counted from no later than its arrival) runs out."""
         request = decode.request
         if request.request_id in self.active:
             return  # a duplicate delivery
-        prefill, now = decode.prefill, time.monotonic()
+        prefill = decode.prefill
         if prefill is None:
             active = ActiveRequest(decode, set(range(request.sampling.n)), received_at=now)
             self.active[request.request_id] = active
             try:
-                prompt = decode_token_ids(request.prompt_token_ids_b64)
                 self.engine.add_request(
                     request.request_id,
-                    prompt,
+                    active.prompt,
                     request.sampling,
                     request.extra_keys,
                     priority=request.priority,
@@ -223,7 +235,9 @@ class GenerationWorker:
             if beam_search  # its choices are known at the end
             else {d.index for d in prefill.first if d.finish_reason is None},
             received_at=now,
-            lease_deadline=arrived_after + prefill.lease_s if prefill.lease_s else math.inf,
+            lease_deadline=self.arrived_after(now) + prefill.lease_s
+            if prefill.lease_s
+            else math.inf,
             times=prefill.times,
         )
         self.active[request.request_id] = active
@@ -261,24 +275,24 @@ class GenerationWorker:
                     request.request_id, prefill.agent_name)  # fmt: skip
         self.release_source(decode)
         self.prompts_recomputed += 1
+        active = self.active[request.request_id]
         try:
-            prompt = decode_token_ids(request.prompt_token_ids_b64)
             self.engine.add_continued_request(
                 request.request_id,
-                prompt,
+                active.prompt,
                 request.sampling,
                 first_tokens(prefill),
                 request.extra_keys,
                 priority=request.priority,
             )
         except (InvalidRequest, ValueError) as e:
-            self.fail(self.active[request.request_id], 400, str(e), getattr(e, "param", "prompt"))
+            self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
 
     def ask_for_peers(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._peers_asked_at >= PEERS_REQUEST_INTERVAL_S:
             self._peers_asked_at = now
-            self.link.send(PeersRequest(worker_id=self.worker_id))
+            self.out.append((ORCHESTRATOR, PeersRequest(worker_id=self.worker_id)))
 
     def start_pull(self, decode: DecodeRequest) -> bool:
         """Allocate blocks and post the READ; False (nothing changed) when blocks are short."""
@@ -286,10 +300,9 @@ class GenerationWorker:
         assert prefill is not None
         active = self.active[request.request_id]
         try:
-            prompt = decode_token_ids(request.prompt_token_ids_b64)
             planned = self.engine.add_pulled_request(
                 request.request_id,
-                prompt,
+                active.prompt,
                 request.sampling,
                 first_tokens(prefill),
                 prefill.first[0].num_cached_tokens,
@@ -304,12 +317,12 @@ class GenerationWorker:
         if planned is None:
             return False
         active.times = msgspec.structs.replace(
-            active.times, queue_s=active.times.queue_s + time.monotonic() - active.received_at
+            active.times, queue_s=active.times.queue_s + self.clock() - active.received_at
         )  # its wait here for a slot and blocks
         table, num_valid = planned
         notification = request.request_id.encode()
         try:
-            plan = plan_read(prefill.block_ids, table, num_valid, self.engine.config.block_size)
+            plan = plan_read(prefill.block_ids, table, num_valid, self.engine.block_size)
             if plan.remote_block_ids:
                 handle = self.agent.start_read(
                     prefill.agent_name,
@@ -330,7 +343,7 @@ class GenerationWorker:
 
     def lease_left_s(self, decode: DecodeRequest) -> float:
         """Seconds until the context worker may reuse the blocks (no lease: unbounded)."""
-        return self.active[decode.request.request_id].lease_deadline - time.monotonic()
+        return self.active[decode.request.request_id].lease_deadline - self.clock()
 
     def read_timeout_s(self, decode: DecodeRequest) -> float:
         """How long a READ may take: never past the source's lease (with a margin), since the
@@ -400,7 +413,7 @@ class GenerationWorker:
     # --- output -----------------------------------------------------------------------------------
 
     def emit(self, outputs: list[TokenOutput]) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for out in outputs:
             active = self.active.get(out.request_id)
             if active is None:
@@ -432,7 +445,7 @@ class GenerationWorker:
     def queue(self, active: ActiveRequest, deltas: list[TokenDelta]) -> None:
         """Add deltas to this step's batch for the request's postproc worker."""
         address = active.decode.postproc_address
-        batch = self.outbox.setdefault(address, TokenBatch(deltas=[]))
+        batch = self.batches.setdefault(address, TokenBatch(deltas=[]))
         if not active.announced:
             active.announced = True
             batch.first.append(active.decode.request)
@@ -440,11 +453,10 @@ class GenerationWorker:
         active.num_output_tokens += sum(len(d.token_ids) for d in deltas)
 
     def flush(self) -> None:
-        for address, batch in self.outbox.items():
-            self.push.send(address, batch)
-        self.outbox.clear()
+        self.out.extend(self.batches.items())
+        self.batches.clear()
 
-    def finish(self, active: ActiveRequest, reason: str) -> None:
+    def finish(self, active: ActiveRequest, reason: FinishReason) -> None:
         del self.active[active.request_id]
         finished = RequestFinished(
             request_id=active.request_id,
@@ -454,9 +466,9 @@ class GenerationWorker:
             transfer_num_bytes=active.transfer_num_bytes,
             transfer_seconds=active.transfer_seconds,
         )
-        self.link.send(finished)
+        self.out.append((ORCHESTRATOR, finished))
 
-    def end(self, active: ActiveRequest, reason: str = "abort") -> None:
+    def end(self, active: ActiveRequest, reason: FinishReason = "abort") -> None:
         """End every unfinished choice, so the postproc worker drops the request: "abort" (the
         client is gone or a stop string ended it) closes the response normally; FAILED closes
         nothing, the frontend hears of the failure from the orchestrator (an "abort" ending could
@@ -477,15 +489,14 @@ class GenerationWorker:
         param: str | None,
         code: str = "invalid_request",
     ) -> None:
-        self.link.send(
-            RequestFailed(
-                request_id=active.request_id,
-                status_code=status_code,
-                message=message,
-                code=code,
-                param=param,
-            )
+        failed = RequestFailed(
+            request_id=active.request_id,
+            status_code=status_code,
+            message=message,
+            code=code,
+            param=param,
         )
+        self.out.append((ORCHESTRATOR, failed))
         self.engine.abort(active.request_id)
         self.end(active, FAILED)
 
@@ -504,17 +515,14 @@ class GenerationWorker:
         self.engine.abort(request_id)
         self.end(active)
 
-    def idle(self) -> bool:
+    def idle(self, now: float) -> bool:
         """Nothing to finish: no request decoding, waiting or pulling, no output unsent."""
-        return not (self.active or self.pulls or self.waiting or self.outbox)
+        return not (self.active or self.pulls or self.waiting or self.batches)
 
     def answer_profile(self, done: ProfileDone | None) -> None:
         if done is not None:
-            self.link.send(done)
+            self.out.append((ORCHESTRATOR, done))
 
     def close(self) -> None:
         self.profiler.close()
-        self.events.close()
         self.agent.close()
-        self.push.close()
-        self.link.close()

@@ -26,7 +26,8 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 from common.transport import bind_random_port, make_socket, send_to
 from common.worker_link import EXIT_ENGINE_FAULT
-from generation_worker.worker import GenerationWorker
+from common.worker_process import WorkerProcess
+from generation_worker.main import make_process
 
 WAIT_MS = 5000
 
@@ -34,7 +35,7 @@ WAIT_MS = 5000
 @pytest.fixture
 def orchestrator_and_worker(
     tiny_model_path: Path,
-) -> Iterator[tuple[zmq.Socket, GenerationWorker]]:
+) -> Iterator[tuple[zmq.Socket, WorkerProcess]]:
     context = zmq.Context()
     router = make_socket(context, zmq.ROUTER)
     address = bind_random_port(router, "127.0.0.1")
@@ -42,7 +43,7 @@ def orchestrator_and_worker(
         f"model: {tiny_model_path}\norchestrator: {{address: {address}}}\n"
         "kv_cache: {num_blocks: 64}\n"
     )
-    worker = GenerationWorker(config, "gen-0", context)
+    worker = make_process(config, "gen-0", context)
     try:
         yield router, worker
     finally:
@@ -51,7 +52,7 @@ def orchestrator_and_worker(
         context.term()
 
 
-def register(router: zmq.Socket, worker: GenerationWorker) -> None:
+def register(router: zmq.Socket, worker: WorkerProcess) -> None:
     def answer() -> None:
         assert router.poll(WAIT_MS)
         identity, frame = router.recv_multipart()
@@ -80,13 +81,13 @@ def test_a_failed_engine_step_fails_every_request_then_exits(orchestrator_and_wo
     register(router, worker)
     for request_id in ("r1", "r2"):
         send_to(router, b"gen-0", decode_request(request_id))
-    while len(worker.active) < 2:
+    while len(worker.core.active) < 2:
         worker.step()
 
     def broken_step() -> list:
         raise RuntimeError("a kernel fault")
 
-    worker.engine.step = broken_step  # type: ignore[method-assign]
+    worker.core.engine.step = broken_step  # type: ignore[attr-defined]
     with pytest.raises(SystemExit) as exited:
         worker.step()
     assert exited.value.code == EXIT_ENGINE_FAULT

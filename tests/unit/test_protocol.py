@@ -114,3 +114,15 @@ def test_a_response_of_several_prompts_shows_each_stages_slowest() -> None:
         "queue;dur=500.0, prefill;dur=300.0, transfer;dur=10.0, first_token;dur=700.0, "
         "decode;dur=2000.0, total;dur=2500.0"
     )
+
+
+def test_a_finish_reason_outside_the_typed_set_fails_to_decode() -> None:
+    for reason in typing.get_args(protocol.FinishReason):
+        batch = protocol.TokenBatch(deltas=[protocol.TokenDelta("r", 0, [], finish_reason=reason)])
+        assert decode(encode(batch)) == batch
+    bad = protocol.TokenBatch(deltas=[protocol.TokenDelta("r", 0, [], finish_reason="tool_calls")])  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError):
+        decode(encode(bad))
+    finished = protocol.RequestFinished(request_id="r", worker_id="gen-0", finish_reason="done")  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError):
+        decode(encode(finished))

@@ -1,0 +1,127 @@
+"""The postproc worker's loop around the formatter, without sockets: what a frontend gets when a
+request ends normally, nothing when it failed elsewhere (the frontend answers that request with
+the orchestrator's error; a closing chunk could reach it first and turn the error into a
+truncated 200), stop strings sent upstream, and when a draining worker may leave."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.protocol import (
+    FAILED,
+    Abort,
+    Chunk,
+    GenerateRequest,
+    OutputOptions,
+    TokenBatch,
+    TokenDelta,
+    encode_token_ids,
+)
+from common.sampling_params import SamplingParams
+from common.tokenizer import load_tokenizer
+from common.worker_process import ORCHESTRATOR, Outbox
+from postproc_worker.worker import DRAIN_QUIET_S, PostprocWorker
+from tests.unit.worker_doubles import FRONTEND, Clock
+
+NOW = 1000.0
+
+
+@pytest.fixture
+def worker(tiny_model_path: Path) -> PostprocWorker:
+    return PostprocWorker(load_tokenizer(tiny_model_path), Clock(NOW))
+
+
+def announce(
+    worker: PostprocWorker, request_id: str, stream: bool = False, stop: list[str] | None = None
+) -> Outbox:
+    """The first token of a request, as a generation worker forwards it."""
+    request = GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids_b64=encode_token_ids([5, 6, 7]),
+        sampling=SamplingParams(max_tokens=8),
+        output=OutputOptions(
+            kind="completion", model="tiny", created=0, stream=stream, stop=stop or []
+        ),
+        reply_to=FRONTEND,
+    )
+    return worker.handle(TokenBatch(first=[request], deltas=[TokenDelta(request_id, 0, [72])]), NOW)
+
+
+def chunks(out: Outbox) -> list[Chunk]:
+    """What went to the frontend."""
+    assert all(to == FRONTEND for to, _ in out), out
+    assert all(isinstance(message, Chunk) for _, message in out)
+    return [message for _, message in out]  # type: ignore[misc]
+
+
+def test_an_aborted_request_gets_its_closing_chunk(worker) -> None:
+    out = announce(worker, "cmpl-abort")
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-abort", 0, [], finish_reason="abort")]), NOW
+    )
+    received = chunks(out)
+    assert received and received[-1].done and received[-1].status_code == 200
+    assert worker.requests == {}
+
+
+def test_a_failed_request_is_dropped_without_a_closing_chunk(worker) -> None:
+    out = announce(worker, "cmpl-failed")
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-failed", 0, [], finish_reason=FAILED)]), NOW
+    )
+    assert not any(c.done for c in chunks(out))
+    assert worker.requests == {} and worker.reply_to == {}
+
+
+def test_token_batches_become_sse_frames_then_the_ending(worker) -> None:
+    tokenizer = worker.tokenizer
+    out = announce(worker, "cmpl-stream", stream=True)
+    ids = tokenizer.encode(" world")
+    out += worker.handle(TokenBatch(deltas=[TokenDelta("cmpl-stream", 0, ids)]), NOW)
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-stream", 0, [], finish_reason="length")]), NOW
+    )
+    received = chunks(out)
+    assert all(c.data.startswith(b"data: ") for c in received)
+    assert [c.done for c in received] == [False] * (len(received) - 1) + [True]
+    assert received[-1].data.endswith(b"data: [DONE]\n\n")
+    assert received[-1].completion_tokens == 1 + len(ids)
+    events = [e for c in received for e in c.data.split(b"\n\n") if e and e != b"data: [DONE]"]
+    texts = [json.loads(e.removeprefix(b"data: "))["choices"] for e in events]
+    assert "".join(c[0]["text"] for c in texts if c) == tokenizer.decode([72, *ids])
+    assert worker.requests == {}
+
+
+def test_a_stop_string_ends_the_request_and_aborts_it_upstream(worker) -> None:
+    tokenizer = worker.tokenizer
+    out = announce(worker, "cmpl-stop", stop=["world"])
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-stop", 0, tokenizer.encode(" world and more"))]), NOW
+    )
+    upstream = [message for to, message in out if to == ORCHESTRATOR]
+    assert upstream == [Abort(request_id="cmpl-stop", reason="stop")]
+    (body,) = chunks([pair for pair in out if pair[0] != ORCHESTRATOR])
+    assert body.done and b"world" not in body.data
+    later = TokenBatch(deltas=[TokenDelta("cmpl-stop", 0, [72], finish_reason="abort")])
+    assert worker.handle(later, NOW) == []  # the abort's ending finds it gone
+
+
+def test_an_abort_from_the_orchestrator_drops_the_request_silently(worker) -> None:
+    announce(worker, "cmpl-gone")
+    assert worker.handle(Abort(request_id="cmpl-gone", reason="error"), NOW) == []
+    assert worker.requests == {}
+
+
+def test_a_draining_worker_waits_for_a_quiet_spell(worker) -> None:
+    assert not worker.idle(NOW + DRAIN_QUIET_S)
+    assert worker.idle(NOW + DRAIN_QUIET_S + 0.01)  # no batch since it started
+    announce(worker, "cmpl-drain")
+    assert not worker.idle(NOW + 10 * DRAIN_QUIET_S)  # a stream is open
+    worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-drain", 0, [], finish_reason="abort")]), NOW + 5
+    )
+    assert not worker.idle(NOW + 5 + DRAIN_QUIET_S)  # a last batch may still be on its way
+    assert worker.idle(NOW + 5 + DRAIN_QUIET_S + 0.01)
