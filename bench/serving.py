@@ -75,7 +75,7 @@ class Request:
 
 
 def corpus_tokens(tokenizer: object) -> list[int]:
-    return tokenizer.encode((ROOT / "engine/data/corpus.txt").read_text())  # type: ignore[attr-defined]
+    return tokenizer.encode((ROOT / "tools/tiny_model/data/corpus.txt").read_text())  # type: ignore[attr-defined]
 
 
 def make_workload(corpus: list[int], count: int, seed: int, prompt_len: tuple[int, int],

@@ -46,7 +46,7 @@ from common.worker_link import EXIT_ENGINE_FAULT, OrchestratorLink, PushSockets
 from engine.kv_transfer import KVTransferError
 from engine.llm_engine import TokenOutput
 from engine.profiling import EngineProfiler
-from engine.serving import (
+from engine.worker_bridge import (
     KVEventRelay,
     build_engine,
     to_delta,

@@ -38,7 +38,7 @@ def tiny_model(path: str | None) -> int:
     """The tiny model into the cache, or into `path` (a fresh build, not cached)."""
     if path is None:
         return build_model(TINY.name)
-    return subprocess.call([sys.executable, "-m", "engine.tiny_model", path])
+    return subprocess.call([sys.executable, "-m", "tools.tiny_model", path])
 
 
 def load_config(path: str | None) -> ClusterConfig | None:

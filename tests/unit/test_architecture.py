@@ -18,7 +18,7 @@ PROCESS_PACKAGES = [
     "postproc_worker",
 ]
 TORCH_FREE = ["common", "frontend", "orchestrator", "postproc_worker"]
-HEAVY = {"torch", "triton", "nixl", "nixl_cu12", "nixl_cu13", "transformers", "engine"}
+HEAVY = {"torch", "triton", "nixl", "nixl_cu12", "nixl_cu13", "transformers", "engine", "tools"}
 
 
 def imported_roots(package: str) -> dict[str, set[str]]:

@@ -11,7 +11,7 @@ import msgspec
 from common.config import parse_cluster_config
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from common.protocol import KVEvents
-from engine.serving import event_endpoints
+from engine.worker_bridge import event_endpoints
 from orchestrator.kv_event_log import KVEventLog
 from orchestrator.orchestrator import Orchestrator
 
