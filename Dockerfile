@@ -12,6 +12,7 @@ COPY common ./common
 COPY engine ./engine
 COPY frontend ./frontend
 COPY orchestrator ./orchestrator
+COPY launcher ./launcher
 COPY context_worker ./context_worker
 COPY generation_worker ./generation_worker
 COPY postproc_worker ./postproc_worker

@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM
 from bench.cluster_profile import ClusterProfile
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from orchestrator.supervisor import SERVING
+from launcher.run import SERVING
 
 ROOT = Path(__file__).resolve().parents[1]
 

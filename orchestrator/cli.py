@@ -22,8 +22,10 @@ from common.curve import ClusterKeys, as_client, generate_keys, load_keys
 from common.model_cache import is_verified
 from common.protocol import ClusterInfo, Drain
 from common.transport import make_socket, send
-from orchestrator.run_records import RECORDS_DIR, RunRecord, request_scale, running_clusters
-from orchestrator.supervisor import WORKER_MODULES, query_cluster_info, run_cluster
+from launcher.readiness import query_cluster_info
+from launcher.run import run_cluster
+from launcher.run_records import RECORDS_DIR, RunRecord, request_scale, running_clusters
+from launcher.specs import WORKER_MODULES
 
 STATUS_TIMEOUT_S = 2.0
 WAIT_POLL_S = 0.5

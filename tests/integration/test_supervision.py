@@ -12,7 +12,7 @@ import time
 
 import openai
 
-from orchestrator.run_records import running_clusters
+from launcher.run_records import running_clusters
 from tests.integration.harness import MODEL, Cluster
 from tools.tiny_model.build import TEST_PROMPTS
 
