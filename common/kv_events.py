@@ -60,12 +60,7 @@ class KVEventBatch(msgspec.Struct, array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    return _batch_decoder.decode(payload)
 
 
 class KVEventPublisher:
