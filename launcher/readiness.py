@@ -22,7 +22,7 @@ def query_cluster_info(
 ) -> ClusterInfo | None:
     """One ClusterInfoRequest to the orchestrator; None when it does not answer in time (or, a
     CURVE orchestrator, when `keys` are not the cluster's)."""
-    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER)
+    sock: zmq.Socket[bytes] = make_socket(zmq.Context.instance(), zmq.DEALER)
     as_client(sock, keys)
     sock.connect(address)
     try:
@@ -40,7 +40,8 @@ def is_healthy(url: str, timeout_s: float = 1.0) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout_s) as response:
-            return response.status == 200
+            status: int = response.status
+            return status == 200
     except OSError:  # refused, reset, timed out, or an HTTP error status
         return False
 

@@ -185,7 +185,7 @@ def drain(worker_id: str, config_path: str | None, timeout_s: float | None) -> i
         return 2
     address = config.orchestrator.address
     keys = client_keys(config, address, config.security.keys_dir, RECORDS_DIR)
-    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER)
+    sock: zmq.Socket[bytes] = make_socket(zmq.Context.instance(), zmq.DEALER)
     as_client(sock, keys)
     sock.connect(address)
     try:
