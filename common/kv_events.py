@@ -60,12 +60,7 @@ class KVEventBatch(msgspec.Struct, array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    return _batch_decoder.decode(payload)
 
 
 class KVEventPublisher:
@@ -73,7 +68,7 @@ class KVEventPublisher:
 
     def __init__(
         self,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         endpoint: str,
         replay_endpoint: str | None,
         topic: str = "",
@@ -85,7 +80,7 @@ class KVEventPublisher:
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         serve(self.pub)
         self.pub.bind(endpoint)
-        self.replay: zmq.Socket | None = None
+        self.replay: zmq.Socket[bytes] | None = None
         if replay_endpoint is not None:
             self.replay = context.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
@@ -96,7 +91,7 @@ class KVEventPublisher:
 
     @property
     def endpoint(self) -> str:
-        return str(self.pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        return self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def publish(self, events: list[KVEvent]) -> None:
         payload = _encoder.encode(KVEventBatch(ts=time.time(), events=events))

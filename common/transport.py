@@ -9,7 +9,7 @@ caller sees None, so a bad sender can never crash a process.
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 HIGH_WATER_MARK = 100_000  # messages queued per peer before send blocks (PUSH) or drops (ROUTER)
 
 
-SocketT = TypeVar("SocketT", bound=zmq.Socket)  # a plain socket, or an asyncio one
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")  # a plain socket, or an asyncio one
 
 
 def make_socket(
@@ -49,7 +49,7 @@ def make_socket(
 
 
 def bind_random_port(
-    sock: zmq.Socket,
+    sock: zmq.Socket[Any],
     host: str,
     advertise_host: str | None = None,
     port_range: tuple[int, int] | None = None,
@@ -79,16 +79,16 @@ def parse(frame: bytes, source: str) -> Message | None:
 # --- synchronous (worker loops) -------------------------------------------------------------------
 
 
-def send(sock: zmq.Socket, message: Message) -> None:
+def send(sock: zmq.Socket[bytes], message: Message) -> None:
     sock.send(encode(message))
 
 
-def send_to(sock: zmq.Socket, identity: bytes, message: Message) -> None:
+def send_to(sock: zmq.Socket[bytes], identity: bytes, message: Message) -> None:
     """ROUTER: to the peer `identity`."""
     sock.send_multipart([identity, encode(message)])
 
 
-def recv(sock: zmq.Socket, source: str) -> Message | None:
+def recv(sock: zmq.Socket[bytes], source: str) -> Message | None:
     """Non-blocking: the next message, or None when none is waiting or it was malformed."""
     try:
         frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -65,11 +65,11 @@ class WorkerProcess:
 
     def __init__(
         self,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         config: ClusterConfig,
         core: WorkerCore,
         register: Register,
-        inputs: zmq.Socket | None = None,
+        inputs: zmq.Socket[bytes] | None = None,
         events: KVEventPublisher | None = None,
     ) -> None:
         self.core = core

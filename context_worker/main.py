@@ -11,7 +11,7 @@ from common.entrypoint import run_worker
 from common.protocol import PROTOCOL_VERSION, Register
 from common.worker_process import WorkerProcess
 from context_worker.worker import ContextWorker
-from engine.serving import build_engine, kv_event_publisher
+from engine.worker_bridge import build_engine, kv_event_publisher
 
 
 def make_process(config: ClusterConfig, worker_id: str, context: zmq.Context) -> WorkerProcess:

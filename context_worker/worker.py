@@ -34,7 +34,7 @@ from context_worker.leases import LeaseTable
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.profiling import EngineProfiler
-from engine.serving import kv_events, to_delta, worker_stats
+from engine.worker_bridge import kv_events, to_delta, worker_stats
 
 logger = logging.getLogger(__name__)
 

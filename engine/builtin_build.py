@@ -24,7 +24,7 @@ def ensure_builtin(name: str, dtype: str = "float32") -> Path:
         raise ValueError(f"{name!r} is not a builtin model")
     stored_dtype = dtype if builtin.per_dtype else "float32"
     if builtin is TINY:
-        from engine.tiny_model import build_tiny_model as build
+        from tools.tiny_model.build import build_tiny_model as build
     elif builtin is SMOLLM2_135M:
         from engine.smollm2_model import build_smollm2 as build
     else:  # pragma: no cover - every entry of BUILTIN_MODELS has a branch above

@@ -32,11 +32,6 @@ class KVCacheStats:
     cached: int  # hashed, unreferenced: evictable prefix-cache entries
     used: int  # referenced by at least one sequence
 
-    @property
-    def fraction_used(self) -> float:
-        """Fraction of blocks held by running sequences (cached blocks count as free)."""
-        return self.used / self.total
-
 
 @dataclass(slots=True)
 class _SeqBlocks:

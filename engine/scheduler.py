@@ -256,7 +256,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         _insert(self.waiting, seq)  # its old arrival: ahead of its level's later arrivals
 
@@ -285,7 +284,6 @@ class Scheduler:
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in seq.sampling.eos_token_ids
         ):
-            seq.stop_token_id = token_id
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

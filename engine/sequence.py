@@ -46,8 +46,6 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by a prefix-cache hit at admission
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort
-    stop_token_id: int | None = None  # the EOS or stop_token_id that ended it
-    num_preemptions: int = 0
     prefill_only: bool = False  # context worker: stop after the first token, keep the blocks
     # The log-prob of prompt token i + 1 given the tokens up to i, and its top alternatives, for
     # i = 0, 1, ... as far as computed (SamplingParams.prompt_logprobs); handed out with the

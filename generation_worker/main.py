@@ -10,7 +10,7 @@ from common.config import ClusterConfig
 from common.entrypoint import run_worker
 from common.protocol import PROTOCOL_VERSION, Register
 from common.worker_process import WorkerProcess
-from engine.serving import build_engine, kv_event_publisher
+from engine.worker_bridge import build_engine, kv_event_publisher
 from generation_worker.worker import GenerationWorker
 
 

@@ -44,7 +44,7 @@ from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.profiling import EngineProfiler
-from engine.serving import kv_events, to_delta, worker_stats
+from engine.worker_bridge import kv_events, to_delta, worker_stats
 from generation_worker.arrival import ArrivalBound
 from generation_worker.pulls import Pull, plan_read
 

@@ -22,8 +22,10 @@ from common.curve import ClusterKeys, as_client, generate_keys, load_keys
 from common.model_cache import is_verified
 from common.protocol import ClusterInfo, Drain
 from common.transport import make_socket, send
-from orchestrator.run_records import RECORDS_DIR, RunRecord, request_scale, running_clusters
-from orchestrator.supervisor import WORKER_MODULES, query_cluster_info, run_cluster
+from launcher.readiness import query_cluster_info
+from launcher.run import run_cluster
+from launcher.run_records import RECORDS_DIR, RunRecord, request_scale, running_clusters
+from launcher.specs import WORKER_MODULES
 
 STATUS_TIMEOUT_S = 2.0
 WAIT_POLL_S = 0.5
@@ -38,7 +40,7 @@ def tiny_model(path: str | None) -> int:
     """The tiny model into the cache, or into `path` (a fresh build, not cached)."""
     if path is None:
         return build_model(TINY.name)
-    return subprocess.call([sys.executable, "-m", "engine.tiny_model", path])
+    return subprocess.call([sys.executable, "-m", "tools.tiny_model", path])
 
 
 def load_config(path: str | None) -> ClusterConfig | None:
@@ -183,7 +185,7 @@ def drain(worker_id: str, config_path: str | None, timeout_s: float | None) -> i
         return 2
     address = config.orchestrator.address
     keys = client_keys(config, address, config.security.keys_dir, RECORDS_DIR)
-    sock: zmq.Socket = make_socket(zmq.Context.instance(), zmq.DEALER)
+    sock: zmq.Socket[bytes] = make_socket(zmq.Context.instance(), zmq.DEALER)
     as_client(sock, keys)
     sock.connect(address)
     try:

@@ -14,6 +14,8 @@ the decoded object ({} when the output ended inside the call: stop_reason says m
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from common.anthropic_schema import (
@@ -182,7 +184,7 @@ def content_blocks(parsed: ParsedText) -> list[ContentBlock]:
     return blocks or [TextBlock(text="")]
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str) -> dict[str, Any]:
     """The arguments as an object; {} when they are cut short (or not an object)."""
     try:
         value = msgspec.json.decode(text)

@@ -114,7 +114,7 @@ class SingleChoiceRenderer:
 
     def stream_frames(self, choice: ChoiceState, text: str) -> bytes:
         parsed = self.state.parsed(choice, text, final=choice.finish_reason is not None)
-        return self.inner.stream_frames(parsed, self._usage())  # type: ignore[arg-type]
+        return self.inner.stream_frames(parsed, self._usage())
 
     def end_frames(self) -> bytes:
         choice = self.state.choices[0]

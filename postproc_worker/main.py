@@ -20,7 +20,9 @@ from postproc_worker.worker import PostprocWorker
 logger = logging.getLogger(__name__)
 
 
-def make_process(config: ClusterConfig, worker_id: str, context: zmq.Context) -> WorkerProcess:
+def make_process(
+    config: ClusterConfig, worker_id: str, context: zmq.Context[zmq.Socket[bytes]]
+) -> WorkerProcess:
     """The worker with its tokenizer and its sockets: TokenBatches come to its own PULL."""
     worker = PostprocWorker(load_tokenizer(resolve_model_dir(config.model, config.dtype)))
     place_light_process(config)  # off the engines' cores, once the start-up work is done

@@ -19,8 +19,8 @@ import zmq
 
 from common.curve import ClusterKeys, load_keys
 from common.protocol import ClusterInfo
-from orchestrator.run_records import running_clusters
-from orchestrator.supervisor import SERVING
+from launcher.run import SERVING
+from launcher.run_records import running_clusters
 
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 10.0  # what `orchestrator up` promises on SIGTERM

@@ -15,8 +15,8 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.tiny_model import TEST_PROMPTS
 from tests.integration.harness import MODEL, Cluster, hf_greedy_texts
+from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 24
 SHARED_PREFIX = (

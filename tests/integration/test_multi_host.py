@@ -31,7 +31,6 @@ import pytest
 
 from common.curve import generate_keys
 from common.protocol import WorkerInfo
-from engine.tiny_model import TEST_PROMPTS
 from tests.integration.harness import (
     MODEL,
     START_TIMEOUT_S,
@@ -40,6 +39,7 @@ from tests.integration.harness import (
     hf_greedy_texts,
 )
 from tests.integration.netns import NetnsBed, netns_bed
+from tools.tiny_model.build import TEST_PROMPTS
 
 HOSTS = ["orch", "ctx0", "gen0", "gen1", "pp0", "fe0", "client"]
 ROLES = [  # (host, worker id, module); the orchestrator first: the others register with it

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import TEST_PROMPTS
 from frontend.openapi import ROUTES
 from tests.integration import openai_spec
 from tests.integration.harness import MODEL, Cluster
+from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 16
 CHAT = [

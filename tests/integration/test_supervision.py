@@ -12,9 +12,9 @@ import time
 
 import openai
 
-from engine.tiny_model import TEST_PROMPTS
-from orchestrator.run_records import running_clusters
+from launcher.run_records import running_clusters
 from tests.integration.harness import MODEL, Cluster
+from tools.tiny_model.build import TEST_PROMPTS
 
 RECOVERY_TIMEOUT_S = 60.0
 

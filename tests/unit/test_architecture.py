@@ -17,8 +17,8 @@ PROCESS_PACKAGES = [
     "generation_worker",
     "postproc_worker",
 ]
-TORCH_FREE = ["common", "frontend", "orchestrator", "postproc_worker"]
-HEAVY = {"torch", "triton", "nixl", "nixl_cu12", "nixl_cu13", "transformers", "engine"}
+TORCH_FREE = ["common", "frontend", "launcher", "orchestrator", "postproc_worker"]
+HEAVY = {"torch", "triton", "nixl", "nixl_cu12", "nixl_cu13", "transformers", "engine", "tools"}
 
 
 def imported_roots(package: str) -> dict[str, set[str]]:
@@ -50,6 +50,12 @@ def test_light_packages_never_import_torch_or_engine(package: str) -> None:
 
 def test_common_imports_only_itself_among_project_packages() -> None:
     for path, roots in imported_roots("common").items():
+        assert not roots & set(PROCESS_PACKAGES), f"{path} imports {roots & set(PROCESS_PACKAGES)}"
+
+
+def test_the_launcher_starts_processes_without_importing_them() -> None:
+    """It reaches the orchestrator only over the protocol, and starts every process by name."""
+    for path, roots in imported_roots("launcher").items():
         assert not roots & set(PROCESS_PACKAGES), f"{path} imports {roots & set(PROCESS_PACKAGES)}"
 
 

@@ -11,7 +11,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, TokenOutput
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 BLOCK_SIZE = 4
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 8

@@ -15,7 +15,7 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 SCHEMA = {
     "type": "object",

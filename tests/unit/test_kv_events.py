@@ -9,9 +9,9 @@ import json
 import msgspec
 
 from common.config import parse_cluster_config
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from common.protocol import KVEvents
-from engine.serving import event_endpoints
+from engine.worker_bridge import event_endpoints
 from orchestrator.kv_event_log import KVEventLog
 from orchestrator.orchestrator import Orchestrator
 
@@ -28,7 +28,7 @@ def test_batches_are_positional_with_tagged_event_maps() -> None:
         and raw[1][1] == {"type": "AllBlocksCleared"}
     )
     assert raw[1][0]["block_hashes"] == [7, 8] and raw[1][0]["parent_block_hash"] is None
-    assert decode_batch(payload) == batch
+    assert msgspec.msgpack.Decoder(KVEventBatch).decode(payload) == batch
 
 
 def test_log_drains_tensorrt_llm_events_and_expands_cleared() -> None:

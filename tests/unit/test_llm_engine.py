@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 PROMPT = " ".join(TEST_PROMPTS[:4])
 

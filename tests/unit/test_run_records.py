@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.run_records import RunRecord, running_clusters, write_record
 from orchestrator import cli
-from orchestrator.run_records import RunRecord, running_clusters, write_record
 
 SILENT = "tcp://127.0.0.1:9"  # nothing answers there: status names the address it asked
 

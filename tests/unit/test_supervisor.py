@@ -26,13 +26,9 @@ import zmq
 from common.config import ClusterConfig, parse_cluster_config
 from common.protocol import ClusterInfo, ClusterInfoRequest, WorkerInfo
 from common.transport import bind_random_port, make_socket, parse, send_to
-from orchestrator.supervisor import (
-    ProcessSpec,
-    Supervisor,
-    format_table,
-    process_specs,
-    wait_until_ready,
-)
+from launcher.readiness import format_table, wait_until_ready
+from launcher.specs import ProcessSpec, process_specs
+from launcher.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 SLEEPER = "import time; time.sleep(60)"
@@ -172,7 +168,7 @@ def test_crashed_child_is_restarted_with_a_growing_backoff(
     supervisor = Supervisor([spec], backoff_initial_s=0.05, backoff_max_s=5.0)
     supervisors.append(supervisor)
     child = supervisor.children[0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.supervisor"):
+    with caplog.at_level(logging.INFO, logger="launcher.supervisor"):
         supervisor.start()
         assert wait_for(lambda: supervisor.poll() or child.num_restarts >= 2)
     assert not child.gave_up
@@ -188,7 +184,7 @@ def test_child_exiting_with_code_2_is_not_restarted(
     supervisor = Supervisor([spec], backoff_initial_s=0.01)
     supervisors.append(supervisor)
     child = supervisor.children[0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.supervisor"):
+    with caplog.at_level(logging.INFO, logger="launcher.supervisor"):
         supervisor.start()
         assert wait_for(lambda: supervisor.poll() or child.gave_up)
         wait_for(lambda: supervisor.poll() or False, timeout_s=0.3)
@@ -270,7 +266,8 @@ def test_children_are_stopped_when_the_supervisor_is_killed_with_sigkill() -> No
     script = textwrap.dedent(
         f"""
         import sys, time
-        from orchestrator.supervisor import ProcessSpec, Supervisor
+        from launcher.specs import ProcessSpec
+        from launcher.supervisor import Supervisor
         spec = ProcessSpec("gen-0", "generation", (sys.executable, "-c", {SLEEPER!r}))
         supervisor = Supervisor([spec])
         supervisor.start()

@@ -10,8 +10,13 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.builtin_build import ensure_builtin
-from engine.tiny_model import TEST_PROMPTS, build_tiny_model, load_corpus
-from engine.tiny_tokenizer import ADDED_TOKENS, NUM_KEPT_RANKS, QWEN_SPLIT_PATTERN, load_qwen_ranks
+from tools.tiny_model.build import TEST_PROMPTS, build_tiny_model, load_corpus
+from tools.tiny_model.tokenizer import (
+    ADDED_TOKENS,
+    NUM_KEPT_RANKS,
+    QWEN_SPLIT_PATTERN,
+    load_qwen_ranks,
+)
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

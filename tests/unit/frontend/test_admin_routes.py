@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from common.protocol import ClusterInfo, WorkerInfo
-from engine.tiny_model import TEST_PROMPTS
+from tools.tiny_model.build import TEST_PROMPTS
 
 MODEL = "builtin:tiny"
 CHAT = [

@@ -9,8 +9,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from common.protocol import encode_token_ids
-from engine.tiny_model import TEST_PROMPTS
 from tests.integration import openai_spec
+from tools.tiny_model.build import TEST_PROMPTS
 
 MODEL = "builtin:tiny"
 CHAT = [

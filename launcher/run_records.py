@@ -1,10 +1,10 @@
 """Which clusters `orchestrator up` is running on this machine, so `orchestrator status` finds
 one without being given its cluster.yaml.
 
-Each supervisor writes ~/.cache/pdcluster/clusters/<pid>.json while it runs and removes it when
-it stops; a record whose process is gone (a supervisor killed with SIGKILL) is stale and deleted
-by the next reader. `orchestrator scale` leaves its wanted counts beside it in
-<pid>.scale.json, which the supervisor takes up: the directory is this user's, so only this
+Each launcher (`orchestrator up`) writes ~/.cache/pdcluster/clusters/<pid>.json while it runs
+and removes it when it stops; a record whose process is gone (a launcher killed with SIGKILL) is
+stale and deleted by the next reader. `orchestrator scale` leaves its wanted counts beside it in
+<pid>.scale.json, which the launcher takes up: the directory is this user's, so only this
 user (or root) can ask.
 """
 

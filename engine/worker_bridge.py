@@ -1,5 +1,6 @@
-"""What both engine-running workers (context, generation) need around the engine: its settings
-from cluster.yaml, token outputs as protocol deltas, and the stats their heartbeats carry."""
+"""The bridge between the engine and the engine workers (context, generation): the engine built
+from cluster.yaml, its token outputs as protocol deltas, the stats their heartbeats carry, and
+its KV events relayed to the orchestrator."""
 
 from __future__ import annotations
 

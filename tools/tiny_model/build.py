@@ -2,10 +2,10 @@
 
 Tests and local runs need a real Hugging Face checkpoint (config.json, safetensors, tokenizer.json,
 a chat template) that transformers loads, without a model hub. This module writes one: a 4-layer
-Qwen3 with GQA over a real Qwen byte-level BPE cut to 4,096 ids (engine/tiny_tokenizer.py), briefly
-trained on the text in engine/data/ so that greedy continuations vary instead of repeating a token.
+Qwen3 with GQA over a real Qwen byte-level BPE cut to 4,096 ids (tokenizer.py beside it), briefly
+trained on the text in data/ so that greedy continuations vary instead of repeating a token.
 
-    python -m engine.tiny_model PATH                  # build into PATH
+    python -m tools.tiny_model PATH                   # build into PATH
     python -m engine.builtin_build builtin:tiny       # build once into the cache (or reuse it)
 
 Same machine, same library versions -> byte-identical model.safetensors: the seed, the data order
@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from common.model_cache import progress
-from engine.tiny_tokenizer import (
+from tools.tiny_model.tokenizer import (
     ADDED_TOKENS,
     NUM_KEPT_RANKS,
     added_tokens_decoder,
@@ -145,11 +145,11 @@ def tokenizer_config(chat_template: str) -> dict[str, object]:
 
 
 def _data_text(name: str) -> str:
-    return resources.files("engine").joinpath("data", name).read_text("utf-8")
+    return resources.files("tools.tiny_model").joinpath("data", name).read_text("utf-8")
 
 
 def load_corpus() -> str:
-    """engine/data/corpus.txt without its comment header (the leading "#" lines)."""
+    """data/corpus.txt without its comment header (the leading "#" lines)."""
     lines = _data_text("corpus.txt").splitlines(keepends=True)
     while lines and lines[0].startswith("#"):
         lines.pop(0)

@@ -1,0 +1,1 @@
+"""Development tools: builders of test fixtures, never imported by the serving processes."""
