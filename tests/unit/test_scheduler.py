@@ -97,7 +97,7 @@ def test_equal_priorities_preempt_the_latest_admission_first() -> None:
     out = sched.schedule()
     assert [s.seq_id for s in out.preempted] == ["c"]
     assert [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks] == [("a", 1), ("b", 1)]
-    assert [s.seq_id for s in sched.waiting] == ["c"] and sched.waiting[0].num_preemptions == 1
+    assert [s.seq_id for s in sched.waiting] == ["c"] and sched.waiting[0].num_computed_tokens == 0
     assert sched.kv.num_free_blocks == 1  # c's two blocks back, a and b took one each
 
 
