@@ -5,6 +5,8 @@ ChatOpenAI with `use_responses_api=True`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
@@ -50,6 +52,8 @@ def test_an_openai_agents_agent_calls_its_tool_and_returns_its_output_type(clust
         model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
     )
     result = Runner.run_sync(agent, "What's the weather in Oslo?", max_turns=4)
+    # run_sync ran on the thread's default event loop and keeps it open: the client closes there
+    asyncio.get_event_loop_policy().get_event_loop().run_until_complete(client.close())
     assert len(calls) == 1
     assert isinstance(result.final_output, Forecast)
 

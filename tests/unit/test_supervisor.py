@@ -286,6 +286,8 @@ def test_children_are_stopped_when_the_supervisor_is_killed_with_sigkill() -> No
     finally:
         parent.kill()
         parent.wait(timeout=10)
+        if parent.stdout is not None:
+            parent.stdout.close()
         if pid is not None and not process_gone(pid):
             os.kill(pid, signal.SIGKILL)
 
