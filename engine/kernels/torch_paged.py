@@ -11,7 +11,8 @@ matrix multiply wants. On a CPU those copies are most of a decode step. Here:
 - prefill/extend runs each sequence's chunk as two batched multiplies per KV head, with the query
   heads that share it stacked (soft-capping takes the reference).
 
-Both compute in float32 like the reference; tests/unit/test_kernels.py holds them to it.
+Both compute in float32 like the reference; tests/unit/engine/kernels/test_kernels.py holds them
+to it.
 """
 
 from __future__ import annotations

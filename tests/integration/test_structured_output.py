@@ -321,7 +321,7 @@ def test_forced_calls_take_the_format_of_the_tool_parser_in_use(
     """A model served with another tool parser is forced into that parser's format (not
     Hermes' tags), so the calls come back parsed: required and named. (One call each: the
     tiny model's random weights would go on adding parallel calls until max_tokens; the
-    grammar's parallel calls are checked in tests/unit/test_guided.py.)"""
+    grammar's parallel calls are checked in tests/unit/engine/test_guided.py.)"""
     served = start_cluster("aggregated", extra=f"tool_parser: {tool_parser}")
     pids = [w.pid for w in served.info().workers]
     try:

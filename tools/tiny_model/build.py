@@ -69,8 +69,8 @@ INPUT_ONLY_IDS = frozenset(range(NUM_KEPT_RANKS, VOCAB_SIZE)) - {IM_END_ID}
 ASSISTANT_TURN = re.compile(r"(?<=<\|im_start\|>assistant\n).*?<\|im_end\|>", re.DOTALL)
 
 # Plain-text prompts whose 24-token greedy continuations are varied and EOS-free on the built model
-# (checked by the build itself and by tests/unit/test_tiny_model.py); parity tests elsewhere reuse
-# them. Picked from 36 candidates as the ones that did best across several training seeds.
+# (checked by the build itself and by tests/unit/tools/test_tiny_model.py); parity tests elsewhere
+# reuse them. Picked from 36 candidates as the ones that did best across several training seeds.
 TEST_PROMPTS: list[str] = [
     "Rivers shape the land",
     "Every evening the lamp",

@@ -30,7 +30,7 @@ from launcher.readiness import format_table, wait_until_ready
 from launcher.specs import ProcessSpec, process_specs
 from launcher.supervisor import Supervisor
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SLEEPER = "import time; time.sleep(60)"
 
 pytestmark = pytest.mark.timeout(60)

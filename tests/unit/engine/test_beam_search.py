@@ -16,7 +16,7 @@ from engine.beam_search import BeamGroup
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from tests.unit.test_disaggregated_engine import run_to_end, tokens_by_choice
+from tests.unit.engine.test_disaggregated_engine import run_to_end, tokens_by_choice
 from tools.tiny_model.build import TEST_PROMPTS
 
 # (width, length_penalty, early_stopping, max_tokens): each stopping rule, both signs of length

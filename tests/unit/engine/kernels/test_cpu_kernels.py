@@ -20,7 +20,7 @@ from engine.model import RMSNorm, RotaryEmbedding
 from engine.model_config import RopeConfig
 from tests.paged_cache import PagedCache, assert_close
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this host")
 
 

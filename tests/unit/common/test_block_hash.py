@@ -12,7 +12,7 @@ import pytest
 
 from common.block_hash import ExtraKey, block_hashes, hash_block
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_only_full_blocks_are_hashed() -> None:

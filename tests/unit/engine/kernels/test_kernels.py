@@ -372,7 +372,7 @@ def test_kernels_in_a_fresh_interpreter_process() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
     argv += ["-k", "not test_kernels_in_a_fresh_interpreter_process"]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[4]
     result = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "skipped" not in result.stdout.splitlines()[-1]  # the kernels really ran there

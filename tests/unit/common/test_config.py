@@ -8,7 +8,7 @@ import pytest
 
 from common.config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_shipped_cluster_yaml_is_the_embedded_default() -> None:
