@@ -187,7 +187,10 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
 
 
 def parse_cluster_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
+    """A file with no mapping at all (empty, only comments, a bare `---`) means every default."""
     try:
+        if msgspec.yaml.decode(text or "{}") is None:
+            return ClusterConfig()
         return msgspec.yaml.decode(text or "{}", type=ClusterConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_readable(str(exc))}") from None

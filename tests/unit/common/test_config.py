@@ -23,8 +23,9 @@ def test_shipped_aggregated_example_is_valid() -> None:
     assert config.mode == "aggregated"
 
 
-def test_empty_file_gives_the_defaults() -> None:
-    assert parse_cluster_config("") == ClusterConfig()
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_empty_file_gives_the_defaults(text: str) -> None:
+    assert parse_cluster_config(text) == ClusterConfig()
 
 
 @pytest.mark.parametrize(
