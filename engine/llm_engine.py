@@ -85,7 +85,10 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
             config.device
         )
-        pack_linear_layers(self.model, choose_layout(config.device, config.torch_dtype))
+        layout = choose_layout(config.device, config.torch_dtype)
+        # beside oneDNN (bfloat16), a copy in panels for the C decode step's small batches
+        decode_panels = layout == "onednn" and cpu_kernels.library() is not None
+        pack_linear_layers(self.model, layout, decode_panels)
         norm_weight = self.model.model.norm.weight  # the model's dtype and device
         if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(norm_weight):
             use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path

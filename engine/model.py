@@ -234,7 +234,8 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.c_decode_step = False  # set by use_c_decode_step
+        # decode-only batches of up to this many sequences run as one C call (use_c_decode_step)
+        self.c_decode_max_rows = 0
         self._decode_layers: tuple[int, ctypes.Array[cpu_kernels.DecodeLayer]] | None = None
 
     @torch.inference_mode()
@@ -246,7 +247,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
-        if self.c_decode_step and meta.num_decode_tokens == x.shape[0] > 0:
+        if 0 < meta.num_decode_tokens == x.shape[0] <= self.c_decode_max_rows:
             return self._decode_in_c(x, positions, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -290,9 +291,14 @@ class CausalLM(nn.Module):
         table = (cpu_kernels.DecodeLayer * len(self.model.layers))()
         for entry, layer, (k, v) in zip(table, self.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            entry.qkv, entry.qkv_bias = address(attn.qkv_proj.weight), address(attn.qkv_proj.bias)
-            entry.o, entry.gate_up = address(attn.o_proj.weight), address(mlp.gate_up_proj.weight)
-            entry.down = address(mlp.down_proj.weight)
+            qkv, o = _panels(attn.qkv_proj), _panels(attn.o_proj)
+            gate_up, down = _panels(mlp.gate_up_proj), _panels(mlp.down_proj)
+            entry.qkv, entry.qkv_bias = address(qkv[0]), address(qkv[1])
+            entry.o, entry.gate_up, entry.down = (
+                address(o[0]),
+                address(gate_up[0]),
+                address(down[0]),
+            )
             entry.input_norm = address(layer.input_layernorm.weight)
             entry.post_norm = address(layer.post_attention_layernorm.weight)
             entry.k_cache, entry.v_cache = address(k), address(v)
@@ -311,16 +317,31 @@ def use_cpu_kernels(model: CausalLM) -> None:
             module.fused = True
 
 
+def _panels(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tensors = linear.panel_tensors()
+    assert tensors is not None, "use_c_decode_step checked that every layer has panels"
+    return tensors
+
+
+# Beside oneDNN's bfloat16 layers, the batch size up to which the C step (panels, float32
+# arithmetic) is faster; oneDNN's bfloat16 dot products win from about 5 (linear.py).
+C_DECODE_MAX_ROWS_BESIDE_ONEDNN = 4
+
+
 def use_c_decode_step(model: CausalLM) -> bool:
     """Run decode-only batches as one C call where the C pass computes what `forward` would:
-    the layers' weights in panels, the C norms and rotary on, no per-head norms (Qwen3)."""
-    layers_in_panels = all(
-        m.layout == "panels"
-        for m in model.modules()
-        if isinstance(m, Linear) and m is not model.lm_head
-    )
-    model.c_decode_step = layers_in_panels and model.model.norm.fused and not model.config.qk_norm
-    return model.c_decode_step
+    every layer's weights in panels (or a copy in panels beside oneDNN's, then small batches
+    only), the C norms and rotary on, no per-head norms (Qwen3)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    if all(m.layout == "panels" for m in layers):
+        max_rows = 1 << 30
+    elif all(m.decode_panels is not None for m in layers):
+        max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN
+    else:
+        max_rows = 0
+    runs = model.model.norm.fused and not model.config.qk_norm
+    model.c_decode_max_rows = max_rows if runs else 0
+    return model.c_decode_max_rows > 0
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> CausalLM:
