@@ -16,11 +16,11 @@ Layouts:
 - "onednn": oneDNN's packed layout (bfloat16 where oneDNN runs it: AVX-512 BF16 / AVX-NE-CONVERT,
   or where the C kernels did not build).
 - "plain": torch's linear (GPU, float16, no oneDNN).
-Beside oneDNN's bfloat16 layout, the layers keep a second copy in panels (`decode_panels`): the
-C decode step (model.py) reads those for small batches, where streaming the weights is what
-counts and oneDNN's per-call cost is not paid (SmolLM2 on an AVX512-BF16 host, one thread:
-14 against 27 ms a step at one sequence, 29 against 30 at four); from five rows oneDNN's
-bfloat16 dot products win (33 against 39 ms at six).
+Beside oneDNN's bfloat16 layout, the layers keep a second copy for the C decode step (model.py),
+which runs decode-only batches as one call: in cpu_linear.c's bfloat16 pairs where the kernels
+have AVX512-BF16's dot products (SmolLM2, one thread, a step at 1 / 4 / 8 / 32 sequences: 19 /
+24 / 34 / 105 ms, against oneDNN's 27 / 30 / 39 / 103), else in panels for batches of up to
+four (widened to float32, they lose to oneDNN's dot products from five rows).
 Results differ from MKL's only in summation order (about 1e-6 relative); greedy tokens matched
 transformers' in every parity test. A packed weight is an opaque copy: nothing else reads it (a
 tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
@@ -50,7 +50,7 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if keep_panels and layout == "onednn":
             bias = None if self.bias is None else self.bias.detach().float()
-            self.decode_panels = (cpu_kernels.pack_panels(weight), bias)
+            self.decode_panels = (_decode_copy(weight), bias)
         if layout == "panels":
             packed = cpu_kernels.pack_panels(weight)
             if self.bias is not None:  # the kernel adds a float32 bias
@@ -81,6 +81,15 @@ class Linear(nn.Linear):
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _decode_copy(weight: torch.Tensor) -> torch.Tensor:
+    """The C decode step's copy: bfloat16 pairs for its dot products where the CPU has them
+    (AVX512-BF16), else panels."""
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+        if cpu_kernels.bf16_pairs_available():
+            return cpu_kernels.pack_pairs(weight)
+    return cpu_kernels.pack_panels(weight)
 
 
 def choose_layout(device: str, dtype: torch.dtype) -> Layout:

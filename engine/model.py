@@ -236,6 +236,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         # decode-only batches of up to this many sequences run as one C call (use_c_decode_step)
         self.c_decode_max_rows = 0
+        self.c_decode_pairs = False  # its weights in bfloat16 pairs (kernels/cpu_linear.c)
         self._decode_layers: tuple[int, ctypes.Array[cpu_kernels.DecodeLayer]] | None = None
 
     @torch.inference_mode()
@@ -271,7 +272,7 @@ class CausalLM(nn.Module):
             hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=k_cache.shape[1],
             block_stride=k_cache.stride(0), window=c.sliding_window or 0, eps=c.rms_norm_eps,
-            scale=c.head_dim**-0.5, soft_cap=0.0,
+            scale=c.head_dim**-0.5, soft_cap=0.0, pairs=self.c_decode_pairs,
         )  # fmt: skip
         return cpu_kernels.decode_step(
             self._decode_layers[1], shape, x.contiguous(), self.model.norm.weight, positions,
@@ -323,19 +324,21 @@ def _panels(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return tensors
 
 
-# Beside oneDNN's bfloat16 layers, the batch size up to which the C step (panels, float32
-# arithmetic) is faster; oneDNN's bfloat16 dot products win from about 5 (linear.py).
+# Beside oneDNN's bfloat16 layers, without the kernels' bfloat16 pairs: the batch size up to
+# which the C step (panels widened to float32) is faster than oneDNN's dot products (linear.py).
 C_DECODE_MAX_ROWS_BESIDE_ONEDNN = 4
 
 
 def use_c_decode_step(model: CausalLM) -> bool:
     """Run decode-only batches as one C call where the C pass computes what `forward` would:
-    every layer's weights in panels (or a copy in panels beside oneDNN's, then small batches
-    only), the C norms and rotary on, no per-head norms (Qwen3)."""
+    every layer's weights in panels, or a copy beside oneDNN's (in bfloat16 pairs: any batch;
+    in panels: small batches only), the C norms and rotary on, no per-head norms (Qwen3)."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    if all(m.layout == "panels" for m in layers):
+    copies = [m.decode_panels[0] for m in layers if m.decode_panels is not None]
+    model.c_decode_pairs = len(copies) == len(layers) and all(t.dim() == 4 for t in copies)
+    if all(m.layout == "panels" for m in layers) or model.c_decode_pairs:
         max_rows = 1 << 30
-    elif all(m.decode_panels is not None for m in layers):
+    elif len(copies) == len(layers):
         max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN
     else:
         max_rows = 0

@@ -37,10 +37,12 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                  int64_t window, float soft_cap, int threads);
 void panel_linear(const float *x, const void *panels, int dtype, const float *bias, float *out,
                   int64_t M, int64_t N, int64_t K, int threads);
+void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                 int64_t M, int64_t N, int64_t K, int threads);
 
 /* One layer's tensors (model.py's DecoderLayer), as cpu_kernels.DecodeLayer fills them. */
 typedef struct {
-    const void *qkv;        /* panels, of the model's dtype */
+    const void *qkv;        /* panels, of the model's dtype (bfloat16 pairs: DecodeShape.pairs) */
     const float *qkv_bias;  /* float32, or NULL */
     const void *o, *gate_up, *down;
     const void *input_norm, *post_norm;
@@ -53,6 +55,7 @@ typedef struct {
     int64_t block_size, block_stride, max_blocks, window;
     float eps, scale, soft_cap;
     int threads, dtype;
+    int pairs; /* bfloat16 weights in cpu_linear.c's pairs, multiplied by bfloat16 dot products */
 } DecodeShape;
 
 /* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a
@@ -103,9 +106,12 @@ static const float *widen(const void *in, int64_t n, int dtype, float *buf) {
 /* out (M, N) = in (M, K) @ W.T + bias, rounded to the dtype as Python's `.to(x.dtype)` does. */
 static void linear(const void *in, const void *panels, const float *bias, void *out, int64_t M,
                    int64_t N, int64_t K, const DecodeShape *s, const Buffers *b) {
-    const float *x = widen(in, M * K, s->dtype, b->x32);
     float *o = s->dtype == F32 ? out : b->out32;
-    panel_linear(x, panels, s->dtype, bias, o, M, N, K, s->threads);
+    if (s->pairs)
+        pair_linear(in, panels, bias, o, M, N, K, s->threads);
+    else
+        panel_linear(widen(in, M * K, s->dtype, b->x32), panels, s->dtype, bias, o, M, N, K,
+                     s->threads);
     if (s->dtype == BF16)
         for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = to_bf16(o[i]);
 }

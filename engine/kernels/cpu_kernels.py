@@ -56,6 +56,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
+    "bf16_pairs_available": (_int, []),
 }
 PANEL = 16  # output columns per weight panel (cpu_linear.c's P)
 
@@ -174,6 +175,20 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # (N / 16, K, 16)
 
 
+def bf16_pairs_available() -> bool:
+    """Whether the kernels were built with AVX512-BF16's dot products (cpu_linear.c's pairs)."""
+    lib = library()
+    return lib is not None and bool(lib.bf16_pairs_available())
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weight (N, K), K even, as cpu_linear.c's pairs: (ceil(N / 16), K / 2, 16, 2)."""
+    n, k = weight.shape
+    assert weight.dtype == torch.bfloat16 and k % 2 == 0
+    panels = pack_panels(weight)  # (N / 16, K, 16)
+    return panels.view(panels.shape[0], k // 2, 2, PANEL).transpose(2, 3).contiguous()
+
+
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
@@ -209,6 +224,7 @@ class DecodeShape(ctypes.Structure):
             "block_stride", "max_blocks", "window",
         )),
         ("eps", _f32), ("scale", _f32), ("soft_cap", _f32), ("threads", _int), ("dtype", _int),
+        ("pairs", _int),
     ]  # fmt: skip
 
 

@@ -224,8 +224,9 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
     """A decode-only batch through cpu_decode_step.c gives the Python forward's hidden states
     and writes the same K/V: a Qwen2-like model (q/k/v biases), a sliding window, sizes that
     are not multiples of the 16-column panels, sequences of different lengths. With oneDNN's
-    bfloat16 layers (a copy in panels beside them), small batches take the C step and the
-    Python forward stays on oneDNN: the two agree to bfloat16's rounding."""
+    bfloat16 layers, the C step reads its own copy (bfloat16 pairs for AVX512-BF16's dot
+    products where the kernels have them, else panels) and the Python forward stays on oneDNN:
+    the two agree to bfloat16's rounding."""
     from engine.kv_cache import KVCache
     from engine.linear import pack_linear_layers
     from engine.model import AttentionMetadata, CausalLM, use_c_decode_step, use_cpu_kernels
