@@ -38,6 +38,7 @@ import numpy as np
 
 from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
+from common.parser_choice import ParserState
 from common.responses_schema import ResponseSettings
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
@@ -89,9 +90,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_logprobs: int | None = None
     responses: ResponseSettings | None = None  # kind "responses": the settings it echoes
     embedding_base64: bool = False  # kind "embedding": base64 of float32 LE, else a float list
-    parser_state: dict[str, object] = msgspec.field(
-        default_factory=dict
-    )  # reasoning / tool parsers
+    parser_state: ParserState | None = None  # chat-like kinds: the reasoning / tool parsers
     # Prompt tokens not billed in usage: a forced tool call's prefix the frontend appended after
     # the template (the seed's prompt_tokens_excluded_from_usage)
     prompt_tokens_excluded: int = 0

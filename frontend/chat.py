@@ -16,7 +16,7 @@ import msgspec
 
 from common.errors import InvalidRequest
 from common.guided import CallSyntax, ThinkingMode, check
-from common.parser_choice import reasoning_parser_for
+from common.parser_choice import ParserState, reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
 from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
@@ -412,15 +412,16 @@ def thinking_budget(
     )
 
 
-def parser_state(model: ModelInfo, rendered: RenderedPrompt, plan: ToolPlan) -> dict[str, Any]:
-    """The postproc parsers' starting state. The thinking state is read from the template's own
-    output (not the prompt with an injected prefix): only the frontend sees that text."""
-    state: dict[str, Any] = {}
+def parser_state(model: ModelInfo, rendered: RenderedPrompt, plan: ToolPlan) -> ParserState | None:
+    """The postproc parsers' starting state (None: no parsing). The thinking state is read from
+    the template's own output (not the prompt with an injected prefix): only the frontend sees
+    that text."""
     reasoning = reasoning_parser_for(model.model_type)
-    if reasoning is not None:
-        state["reasoning_parser"] = reasoning
-        state["thinking"] = resolve_prefilled_thinking(rendered.template_text)
-    if plan.parse_tools:
-        state["tool_parser"] = model.tool_parser
-        state["in_tool_call"] = plan.in_tool_call
-    return state
+    if reasoning is None and not plan.parse_tools:
+        return None
+    return ParserState(
+        reasoning_parser=reasoning,
+        thinking=resolve_prefilled_thinking(rendered.template_text) if reasoning else None,
+        tool_parser=model.tool_parser if plan.parse_tools else None,
+        in_tool_call=plan.parse_tools and plan.in_tool_call,
+    )

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 
 from common.openai_schema import Usage
+from common.parser_choice import ParserState
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_token_ids
 from common.responses_schema import ResponseSettings
 from common.stage_times import StageTimes
@@ -36,7 +37,7 @@ from postproc_worker import (
     responses_format,
 )
 from postproc_worker.detokenizer import IncrementalDetokenizer
-from postproc_worker.parsers import ChoiceParsers, ParsedText, ParserState, special_texts
+from postproc_worker.parsers import ChoiceParsers, ParsedText, special_texts
 from postproc_worker.stop_strings import StopStringMatcher
 
 
@@ -200,7 +201,6 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
-        self._parser_error: ValueError | None = None  # raised by `add`: fails this request only
         parser_state = self._parser_state(options)
         self.choices = [
             ChoiceState(
@@ -220,15 +220,12 @@ class RequestState:
         ]
         self._renderer = _renderer(self, request)
 
-    def _parser_state(self, options: OutputOptions) -> ParserState | None:
-        if options.kind in ("completion", "embedding") or not options.parser_state:
+    @staticmethod
+    def _parser_state(options: OutputOptions) -> ParserState | None:
+        state = options.parser_state
+        if options.kind in ("completion", "embedding") or state is None or not state.active:
             return None
-        try:
-            state = ParserState.from_dict(options.parser_state)
-        except msgspec.ValidationError as exc:
-            self._parser_error = ValueError(f"invalid parser_state: {exc}")
-            return None
-        return state if state.active else None
+        return state
 
     @property
     def num_completion_tokens(self) -> int:
@@ -236,8 +233,6 @@ class RequestState:
 
     def add(self, delta: TokenDelta) -> StepOutput:
         """Feed one choice's new tokens; late ones (request done, or choice stopped) are dropped."""
-        if self._parser_error is not None:
-            raise self._parser_error
         if self.done:
             return StepOutput(done=True)
         choice = self.choices[delta.index]

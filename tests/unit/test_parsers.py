@@ -20,7 +20,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from common.parser_choice import (
     REASONING_PARSER_FOR_MODEL_TYPE,
+    REASONING_PARSER_NAMES,
     TOOL_PARSER_FOR_MODEL_TYPE,
+    TOOL_PARSER_NAMES,
+    ParserState,
     tool_parser_for,
 )
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, encode_token_ids
@@ -33,7 +36,6 @@ from postproc_worker.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     ChoiceParsers,
-    ParserState,
     ReasoningParser,
     special_texts,
 )
@@ -272,13 +274,13 @@ def test_resolve_prefilled_thinking(template_text: str, expected: bool | None) -
 
 def test_parser_state_round_trips_and_rejects_bad_values() -> None:
     state = ParserState(reasoning_parser="qwen3", thinking=False, tool_parser="hermes")
-    assert state.to_dict() == {
+    assert msgspec.to_builtins(state) == {
         "reasoning_parser": "qwen3",
         "thinking": False,
         "tool_parser": "hermes",
     }
-    assert ParserState.from_dict(state.to_dict()) == state
-    assert not ParserState.from_dict({"thinking": None}).active
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=ParserState) == state
+    assert not msgspec.convert({"thinking": None}, ParserState).active
     for bad in [
         {"tool_parser": "nope"},
         {"reasoning_parser": "nope"},
@@ -287,7 +289,18 @@ def test_parser_state_round_trips_and_rejects_bad_values() -> None:
         {"tool_parsr": "hermes"},
     ]:
         with pytest.raises(msgspec.ValidationError):
-            ParserState.from_dict(bad)  # type: ignore[arg-type]
+            msgspec.convert(bad, ParserState)
+
+
+def test_parser_state_rejects_an_unknown_parser_when_built() -> None:
+    for bad in [{"tool_parser": "nope"}, {"reasoning_parser": "nope"}, {"in_tool_call": True}]:
+        with pytest.raises(ValueError):
+            ParserState(**bad)  # type: ignore[arg-type]
+
+
+def test_the_parser_registries_hold_exactly_the_names_on_the_wire() -> None:
+    assert set(REASONING_PARSERS) == REASONING_PARSER_NAMES
+    assert set(TOOL_PARSERS) == TOOL_PARSER_NAMES
 
 
 def test_the_frontends_parser_choice_names_parsers_that_exist() -> None:
@@ -322,14 +335,14 @@ PARSED: dict[str, Any] = {
     "content": "Let me check.",
     "calls": [("get_weather", WEATHER), ("get_time", {"tz": "Asia/Tokyo"})],
 }
-PARSER_STATE: dict[str, object] = {"reasoning_parser": "qwen3", "tool_parser": "hermes"}
+PARSER_STATE = ParserState(reasoning_parser="qwen3", tool_parser="hermes")
 
 
 def make_state(
     tokenizer: Tokenizer,
     *,
     stream: bool,
-    parser_state: dict[str, object],
+    parser_state: ParserState | None,
     kind: str = "chat",
     logprobs: int | None = None,
 ) -> RequestState:
@@ -425,16 +438,10 @@ def test_inactive_parser_state_leaves_the_bytes_unchanged(
     tokenizer: Tokenizer, stream: bool
 ) -> None:
     token_ids = [*tokenizer.encode(OUTPUT), tokenizer.eos_token_id]
-    plain = run(make_state(tokenizer, stream=stream, parser_state={}), token_ids, None, "stop")
-    for kind, parser_state in [("chat", {"thinking": True}), ("completion", PARSER_STATE)]:
-        state = make_state(tokenizer, stream=stream, parser_state={}, kind=kind)
+    plain = run(make_state(tokenizer, stream=stream, parser_state=None), token_ids, None, "stop")
+    for kind, parser_state in [("chat", ParserState(thinking=True)), ("completion", PARSER_STATE)]:
+        state = make_state(tokenizer, stream=stream, parser_state=None, kind=kind)
         expected = run(state, token_ids, None, "stop")
         state = make_state(tokenizer, stream=stream, parser_state=parser_state, kind=kind)
         assert run(state, token_ids, None, "stop") == expected
     assert b"reasoning_content" not in plain and b"tool_calls" not in plain
-
-
-def test_invalid_parser_state_fails_the_request_not_the_worker(tokenizer: Tokenizer) -> None:
-    state = make_state(tokenizer, stream=True, parser_state={"tool_parser": "nope"})
-    with pytest.raises(ValueError, match="parser_state"):
-        run(state, tokenizer.encode("hi"), None, "length")

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from common import protocol
+from common.parser_choice import ParserState
 from common.protocol import decode, decode_token_ids, encode, encode_token_ids
 from common.sampling_params import SamplingParams
 
@@ -126,3 +127,23 @@ def test_a_finish_reason_outside_the_typed_set_fails_to_decode() -> None:
     finished = protocol.RequestFinished(request_id="r", worker_id="gen-0", finish_reason="done")  # type: ignore[arg-type]
     with pytest.raises(msgspec.ValidationError):
         decode(encode(finished))
+
+
+def test_a_parser_state_naming_an_unknown_parser_fails_to_decode() -> None:
+    good = msgspec.structs.replace(
+        sample_request(),
+        output=protocol.OutputOptions(
+            kind="chat", parser_state=ParserState(reasoning_parser="qwen3", tool_parser="hermes")
+        ),
+    )
+    assert decode(encode(good)) == good
+    for bad_state in [
+        {"tool_parser": "nope"},
+        {"reasoning_parser": "nope"},
+        {"in_tool_call": True},  # a forced call with no parser to read it
+        {"tool_parser": "hermes", "extra": 1},
+    ]:
+        raw = msgspec.to_builtins(good)
+        raw["output"]["parser_state"] = bad_state
+        with pytest.raises(msgspec.ValidationError, match="parser_state"):
+            decode(msgspec.msgpack.encode(raw))
