@@ -12,19 +12,23 @@
     orchestrator ──RegisterAgain────────────────────▶ worker it does not know (it restarted)
     worker (SIGTERM), CLI ──Drain───────────────────▶ orchestrator ──Drain (in_flight)──▶ worker
     drained worker ──Leaving────────────────────────▶ orchestrator (forgets it; it exits 0)
-    orchestrator ──PrefillRequest / Abort───────────▶ context worker
+    orchestrator ──PrefillRequest / Abort───────────▶ context worker (EngineRequest + packed
+                                                      PostprocStart: the GenerateRequest split)
     context worker ──PrefillDone / RequestFailed────▶ orchestrator
     orchestrator ──DecodeRequest / Abort────────────▶ generation worker
     generation worker ══NIXL READ (KV blocks)═══════▶ context worker (notification frees its lease)
     generation worker ──RequestFinished / Failed────▶ orchestrator
-    generation worker ──TokenBatch (PUSH)───────────▶ postproc worker (PULL), by request id
+    generation worker ──TokenBatch (PUSH)───────────▶ postproc worker (PULL), by request id; a
+                                                      request's first brings its PostprocStart
     context worker ──TokenBatch (PUSH)──────────────▶ postproc worker, only when the first token
                                                       ends the request (no generation worker)
     postproc worker ──Abort(reason="stop")──────────▶ orchestrator
-    postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at GenerateRequest.reply_to)
+    postproc worker ──Chunk (PUSH)──────────────────▶ frontend (PULL at PostprocStart.reply_to)
 
 Bulk data never rides ZMQ: KV moves over NIXL, prompts travel once as base64 int32, tokens as
-deltas.
+deltas. Each hop carries what its receiver reads: the orchestrator splits a GenerateRequest once
+into the EngineRequest (prompt, sampling) and the PostprocStart (output options, reply address,
+the prompt only when the answer shows it), which engines forward packed, unread.
 """
 
 from __future__ import annotations
@@ -69,6 +73,24 @@ def decode_token_ids(b64: str) -> list[int]:
     return [int(i) for i in np.frombuffer(raw, dtype="<i4")]
 
 
+def count_token_ids(b64: str) -> int:
+    """How many token ids `b64` holds, read from its length (nothing decoded)."""
+    padding = len(b64) - len(b64.rstrip("="))
+    return (len(b64) * 3 // 4 - padding) // 4
+
+
+def tail_token_ids(b64: str, num_tokens: int) -> str:
+    """The last `num_tokens` token ids of `b64` (up to two more), still encoded, cut without
+    decoding: three int32 are 12 bytes, 16 base64 characters, so a cut at a multiple of three
+    tokens keeps whole base64 groups.
+
+        ids     | t0 t1 t2 | t3 t4 t5 | t6 t7 ... |
+        base64  | 16 chars | 16 chars | 16 ...    |   cut here ─▶ a valid encoding of t3...
+    """
+    start = max(0, count_token_ids(b64) - num_tokens) // 3
+    return b64[start * 16 :]
+
+
 class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How the postproc worker turns this request's tokens into OpenAI (or Anthropic) bytes."""
 
@@ -98,6 +120,64 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     perf_metrics: bool = False  # the request's StageTimes in the body / last chunk
 
 
+def salt_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
+    """What salts a request's block hashes: a cache_salt keeps tenants' prefixes apart. Engine
+    workers and the orchestrator's router must hash alike, so both read it here."""
+    return (("cache_salt", cache_salt),) if cache_salt else ()
+
+
+class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What an engine worker (context or generation) reads of a request: its prompt and how to
+    sample it. Made by the orchestrator from the GenerateRequest (`engine_request`)."""
+
+    request_id: str
+    prompt_token_ids_b64: str
+    sampling: SamplingParams
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        return salt_extra_keys(self.cache_salt)
+
+
+# Prompt tokens the postproc worker's detokenizer keeps as left context for a choice's first
+# output tokens (SentencePiece drops a word-initial space at the start of a decode).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class PostprocStart(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What the postproc worker reads of a request: how to render it, where to send it, and
+    the few sampling settings that shape the answer. Made by the orchestrator from the
+    GenerateRequest (`postproc_start`) and packed once (`pack_postproc_start`): engines forward
+    it on the request's first TokenBatch without decoding it, since they read none of it."""
+
+    request_id: str
+    reply_to: str  # the frontend's PULL address for this request's chunks
+    output: OutputOptions
+    n: int = 1  # choices (SamplingParams.n)
+    logprobs: int | None = None  # SamplingParams.logprobs: recorded, to show or to rank
+    min_tokens: int = 0  # SamplingParams.min_tokens: stop strings are ignored before this many
+    num_prompt_tokens: int = 0
+    # The whole prompt, only when the answer shows it (return_token_ids, completion echo);
+    # otherwise its last PROMPT_CONTEXT_TOKENS or so, the detokenizer's left context
+    prompt_token_ids_b64: str = ""
+    prompt_tail_b64: str = ""
+
+
+_start_encoder = msgspec.msgpack.Encoder()
+_start_decoder = msgspec.msgpack.Decoder(PostprocStart)
+
+
+def pack_postproc_start(start: PostprocStart) -> msgspec.Raw:
+    return msgspec.Raw(_start_encoder.encode(start))
+
+
+def unpack_postproc_start(packed: msgspec.Raw) -> PostprocStart:
+    """Raises msgspec.DecodeError / ValidationError on a malformed start."""
+    return _start_decoder.decode(packed)
+
+
 class GenerateRequest(_Message, tag="generate"):
     request_id: str
     prompt_token_ids_b64: str
@@ -114,9 +194,34 @@ class GenerateRequest(_Message, tag="generate"):
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
-        """What salts the request's block hashes: a cache_salt keeps tenants' prefixes apart.
-        Workers and the orchestrator's router must hash alike, so both read it here."""
-        return (("cache_salt", self.cache_salt),) if self.cache_salt else ()
+        return salt_extra_keys(self.cache_salt)
+
+    def engine_request(self) -> EngineRequest:
+        """The part engine workers read (no output options, no routing fields)."""
+        return EngineRequest(
+            request_id=self.request_id,
+            prompt_token_ids_b64=self.prompt_token_ids_b64,
+            sampling=self.sampling,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+        )
+
+    def postproc_start(self) -> PostprocStart:
+        """The part the postproc worker reads; the prompt only as far as the answer needs it.
+        Nothing is decoded: the orchestrator, which makes it, never decodes a prompt."""
+        output, prompt = self.output, self.prompt_token_ids_b64
+        shows_prompt = output.return_token_ids or output.echo_prompt is not None
+        return PostprocStart(
+            request_id=self.request_id,
+            reply_to=self.reply_to,
+            output=output,
+            n=self.sampling.n,
+            logprobs=self.sampling.logprobs,
+            min_tokens=self.sampling.min_tokens,
+            num_prompt_tokens=count_token_ids(prompt),
+            prompt_token_ids_b64=prompt if shows_prompt else "",
+            prompt_tail_b64="" if shows_prompt else tail_token_ids(prompt, PROMPT_CONTEXT_TOKENS),
+        )
 
 
 class Abort(_Message, tag="abort"):
@@ -272,8 +377,11 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class PrefillRequest(_Message, tag="prefill"):
-    request: GenerateRequest
+    request: EngineRequest
     postproc_address: str
+    # A packed PostprocStart, forwarded to the postproc worker only if the first tokens end
+    # the request (else the DecodeRequest brings it to the generation worker)
+    postproc_start: msgspec.Raw
 
 
 class PrefillDone(_Message, tag="prefill_done"):
@@ -303,8 +411,9 @@ class PrefillDone(_Message, tag="prefill_done"):
 
 
 class DecodeRequest(_Message, tag="decode"):
-    request: GenerateRequest
+    request: EngineRequest
     postproc_address: str
+    postproc_start: msgspec.Raw  # a packed PostprocStart, forwarded with the first tokens
     prefill: PrefillDone | None = None  # None: the generation worker prefills itself
 
 
@@ -379,9 +488,8 @@ class ProfileDone(_Message, tag="profile_done"):
 
 class TokenBatch(_Message, tag="tokens"):
     deltas: list[TokenDelta]
-    first: list[GenerateRequest] = msgspec.field(
-        default_factory=list
-    )  # requests new to this postproc
+    # the packed PostprocStart of each request new to this postproc worker, as it came
+    starts: list[msgspec.Raw] = msgspec.field(default_factory=list)
 
 
 class Chunk(_Message, tag="chunk"):

@@ -325,7 +325,6 @@ def to_generate_request(
         max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias(body.logit_bias, model.vocab_size),
-        stop=stop_list(body.stop) + list(plan.stop),
         guided=constraint,
         thinking_budget=thinking_budget(body.thinking_token_budget, model, rendered),
     )
@@ -336,7 +335,7 @@ def to_generate_request(
         created=int(time.time()),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        stop=sampling.stop,
+        stop=stop_list(body.stop) + list(plan.stop),
         skip_special_tokens=body.skip_special_tokens,
         parser_state=parser_state(model, rendered, plan),
         prompt_tokens_excluded=max(0, excluded),

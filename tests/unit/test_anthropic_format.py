@@ -22,6 +22,8 @@ from common.protocol import (
     decode,
     encode,
     encode_token_ids,
+    pack_postproc_start,
+    unpack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -61,9 +63,12 @@ def make_state(
         output=output,
         reply_to="tcp://127.0.0.1:5999",
     )
-    wired = decode(encode(request))  # as the postproc worker receives it
+    wired = decode(encode(request))  # as the orchestrator receives it
     assert isinstance(wired, GenerateRequest) and wired.output.kind == "anthropic"
-    return RequestState(wired, tokenizer)
+    # and the postproc worker its part, through an engine worker
+    return RequestState(
+        unpack_postproc_start(pack_postproc_start(wired.postproc_start())), tokenizer
+    )
 
 
 def deltas(

@@ -35,6 +35,7 @@ from common.protocol import (
     RequestFinished,
     TokenDelta,
     encode_token_ids,
+    unpack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
@@ -330,6 +331,21 @@ def test_disaggregated_request_goes_prefill_then_decode_then_ends() -> None:
     assert orch.handle(b"gen-0", finished, 0.0) == []
     assert not orch.requests
     assert orch.registry.workers["gen-0"].active_tokens == 0
+
+
+def test_the_request_is_split_once_into_the_engines_part_and_the_postprocs() -> None:
+    """Engine workers get what they read; the postproc worker's part rides, packed once, the
+    prefill and then the decode request, for the engine worker to forward with the tokens."""
+    orch = cluster()
+    request = generate()
+    request.output = OutputOptions(kind="chat", stop=["###"], skip_special_tokens=False)
+    _, prefill = only(orch.handle(FRONTEND, request, 0.0))
+    assert isinstance(prefill, PrefillRequest)
+    assert prefill.request == request.engine_request()
+    assert unpack_postproc_start(prefill.postproc_start) == request.postproc_start()
+    _, decode = only(orch.handle(b"ctx-0", prefill_done(), 0.0))
+    assert isinstance(decode, DecodeRequest)
+    assert decode.request is prefill.request and decode.postproc_start is prefill.postproc_start
 
 
 def test_the_decode_request_carries_the_time_to_first_token_and_the_lease_as_durations() -> None:
