@@ -1,6 +1,6 @@
 """Sampling parameters of one request, as they travel from the frontend to the engine workers.
 Stop strings and skip_special_tokens are not here: they shape the text, and only the postproc
-worker makes text (common/protocol.py's OutputOptions).
+worker makes text (OutputOptions, common/protocol/to_postproc.py).
 
 A msgspec Struct so it can ride inside protocol messages unchanged; `validate()` is the one place
 that decides what the engine accepts, so the HTTP layer and the in-process API reject the same

@@ -23,12 +23,12 @@ from common.protocol import (
     Profile,
     ProfileDone,
     RequestFailed,
-    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
     decode_token_ids,
 )
+from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from context_worker.leases import LeaseTable
 from engine.kv_transfer import KVTransferAgent

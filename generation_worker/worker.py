@@ -34,12 +34,12 @@ from common.protocol import (
     Registered,
     RequestFailed,
     RequestFinished,
-    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
     decode_token_ids,
 )
+from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import typing
 
 import msgspec
@@ -9,7 +11,7 @@ import pytest
 
 from common import protocol
 from common.parser_choice import ParserState
-from common.protocol import decode, decode_token_ids, encode, encode_token_ids
+from common.protocol import decode, decode_token_ids, encode, encode_token_ids, wire
 from common.sampling_params import SamplingParams
 
 
@@ -25,10 +27,15 @@ def sample_request() -> protocol.GenerateRequest:
 
 def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
     members = typing.get_args(protocol.Message)
-    base = protocol._Message
+    base = wire._Message
+    modules = [
+        importlib.import_module(f"common.protocol.{m.name}")
+        for m in pkgutil.iter_modules(protocol.__path__)
+    ]
     defined = [
         obj
-        for obj in vars(protocol).values()
+        for module in [protocol, *modules]
+        for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, base) and obj is not base
     ]
     assert set(defined) == set(members)
