@@ -88,7 +88,12 @@ from common.protocol.wire import (
     tail_token_ids,
 )
 
-PROTOCOL_VERSION = 7  # 7: finish reasons typed (FinishReason)
+# Registration carries it: a process of another version is refused by name.
+# 7: finish reasons typed (FinishReason).
+# 8: each hop carries what its receiver reads: engines get an EngineRequest, postproc workers a
+#    packed PostprocStart (TokenBatch.starts); OutputOptions.parser_state a typed ParserState;
+#    SamplingParams without stop / skip_special_tokens; the modules grouped by receiver.
+PROTOCOL_VERSION = 8
 
 
 Message = (
