@@ -34,6 +34,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     response_id: str = ""  # the id the client sees, when it is not the request id (prompt lists)
     index_offset: int = 0  # added to choice indexes: prompt i of a list starts at i * n
     echo_prompt: str | None = None  # completion echo: the prompt text to prepend
+    # stop strings, matched on the text here (engines know only SamplingParams.stop_token_ids)
     stop: list[str] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
     echo_only: bool = False  # max_tokens 0 with echo: the one token sampled is not output
