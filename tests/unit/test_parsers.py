@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -30,6 +31,9 @@ from common.protocol import GenerateRequest, OutputOptions, TokenDelta, encode_t
 from common.sampling_params import SamplingParams
 from common.thinking import resolve_prefilled_thinking
 from common.tokenizer import Tokenizer, load_tokenizer
+from frontend import chat
+from frontend.chat_template import RenderedPrompt
+from frontend.structured import ToolPlan
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.formatter import RequestState
 from postproc_worker.parsers import (
@@ -445,3 +449,21 @@ def test_inactive_parser_state_leaves_the_bytes_unchanged(
         state = make_state(tokenizer, stream=stream, parser_state=parser_state, kind=kind)
         assert run(state, token_ids, None, "stop") == expected
     assert b"reasoning_content" not in plain and b"tool_calls" not in plain
+
+
+def test_the_frontend_sends_a_parser_state_only_when_a_parser_applies() -> None:
+    """frontend/chat.py builds the typed state itself: None when no parser would run."""
+    thinking = RenderedPrompt("<|im_start|>assistant\n<think>\n", "")
+    llama: Any = SimpleNamespace(model_type="llama", tool_parser="llama3_json")
+    qwen3: Any = SimpleNamespace(model_type="qwen3", tool_parser="hermes")
+    forced_call = ToolPlan(parse_tools=True, in_tool_call=True)
+    assert chat.parser_state(llama, thinking, ToolPlan()) is None
+    assert chat.parser_state(llama, thinking, forced_call) == ParserState(
+        tool_parser="llama3_json", in_tool_call=True
+    )
+    assert chat.parser_state(qwen3, thinking, ToolPlan()) == ParserState(
+        reasoning_parser="qwen3", thinking=True
+    )
+    assert chat.parser_state(qwen3, thinking, ToolPlan(parse_tools=True)) == ParserState(
+        reasoning_parser="qwen3", thinking=True, tool_parser="hermes"
+    )
