@@ -171,7 +171,6 @@ def to_generate_requests(
             logprobs=(body.logprobs or 0) if ranked else body.logprobs,  # ranked by log-prob
             prompt_logprobs=body.logprobs if body.echo else None,
             logit_bias=bias,
-            stop=stops,
             guided=constraint,
         )
         prompt_b64 = encode_token_ids(prompt)

@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from common.errors import error_body
 from common.protocol import (
     FAILED,
@@ -22,6 +24,7 @@ from common.protocol import (
     Message,
     TokenBatch,
     WorkerStats,
+    unpack_postproc_start,
 )
 from common.tokenizer import Tokenizer
 from common.worker_process import ORCHESTRATOR, Outbox
@@ -65,9 +68,14 @@ class PostprocWorker:
         return []  # all its work comes with messages
 
     def process(self, batch: TokenBatch) -> None:
-        for request in batch.first:
-            self.requests[request.request_id] = RequestState(request, self.tokenizer)
-            self.reply_to[request.request_id] = request.reply_to
+        for packed in batch.starts:
+            try:
+                start = unpack_postproc_start(packed)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("dropped a malformed PostprocStart (%d bytes): %s", len(packed), exc)
+                continue  # its tokens are dropped as never announced
+            self.requests[start.request_id] = RequestState(start, self.tokenizer)
+            self.reply_to[start.request_id] = start.reply_to
         for delta in batch.deltas:
             state = self.requests.get(delta.request_id)
             if state is None:

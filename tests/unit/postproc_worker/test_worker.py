@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from common.protocol import (
@@ -19,6 +20,7 @@ from common.protocol import (
     TokenBatch,
     TokenDelta,
     encode_token_ids,
+    pack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
@@ -47,7 +49,8 @@ def announce(
         ),
         reply_to=FRONTEND,
     )
-    return worker.handle(TokenBatch(first=[request], deltas=[TokenDelta(request_id, 0, [72])]), NOW)
+    start = pack_postproc_start(request.postproc_start())
+    return worker.handle(TokenBatch(starts=[start], deltas=[TokenDelta(request_id, 0, [72])]), NOW)
 
 
 def chunks(out: Outbox) -> list[Chunk]:
@@ -125,3 +128,11 @@ def test_a_draining_worker_waits_for_a_quiet_spell(worker) -> None:
     )
     assert not worker.idle(NOW + 5 + DRAIN_QUIET_S)  # a last batch may still be on its way
     assert worker.idle(NOW + 5 + DRAIN_QUIET_S + 0.01)
+
+
+def test_a_malformed_start_costs_only_its_own_request(worker: PostprocWorker) -> None:
+    bad = msgspec.Raw(msgspec.msgpack.encode({"request_id": "cmpl-bad"}))  # no reply_to, output
+    batch = TokenBatch(starts=[bad], deltas=[TokenDelta("cmpl-bad", 0, [72])])
+    assert worker.handle(batch, NOW) == [] and not worker.requests
+    announce(worker, "cmpl-good")  # the next request is taken in as ever
+    assert list(worker.requests) == ["cmpl-good"]
