@@ -186,6 +186,7 @@ def to_generate_requests(
             output_logprobs=body.logprobs,
             response_id=request_id,
             index_offset=i * body.n,
+            fanned_out=len(prompts) > 1,
             stop=stops,
             skip_special_tokens=body.skip_special_tokens,
             return_token_ids=body.return_token_ids,

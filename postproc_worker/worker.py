@@ -102,6 +102,7 @@ class PostprocWorker:
                     data=out.ending,
                     done=True,
                     prompt_tokens=state.billed_prompt_tokens,
+                    cached_tokens=state.billed_cached_tokens,
                     completion_tokens=state.num_completion_tokens,
                     times=state.times,
                 )

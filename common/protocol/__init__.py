@@ -93,7 +93,11 @@ from common.protocol.wire import (
 # 8: each hop carries what its receiver reads: engines get an EngineRequest, postproc workers a
 #    packed PostprocStart (TokenBatch.starts); OutputOptions.parser_state a typed ParserState;
 #    SamplingParams without stop / skip_special_tokens; the modules grouped by receiver.
-PROTOCOL_VERSION = 8
+# 9: a fanned-out stream's sub-requests end without a usage chunk or [DONE]
+#    (OutputOptions.fanned_out) and the frontend writes the one ending from the ending Chunks'
+#    numbers (Chunk.cached_tokens added): an older postproc worker or orchestrator would drop
+#    the flag unread, and the client would get one [DONE] per prompt.
+PROTOCOL_VERSION = 9
 
 
 Message = (

@@ -25,9 +25,13 @@ class Chunk(_Message, tag="chunk"):
     data: bytes
     done: bool = False
     status_code: int = 200
-    prompt_tokens: int = 0  # on the ending chunk: the request's usage, for the frontend's metrics
-    completion_tokens: int = 0
-    times: StageTimes | None = None  # on the ending chunk: for the Server-Timing header
+    # On the ending chunk, the request's usage as numbers: for the frontend's metrics, and for
+    # the usage it sums over the sub-requests of a prompt list (OutputOptions.fanned_out)
+    prompt_tokens: int = 0  # as billed
+    cached_tokens: int = 0  # of those, found in a prefix cache
+    completion_tokens: int = 0  # every sampled choice's
+    # On the ending chunk: for the Server-Timing header (and a fanned-out stream's perf_metrics)
+    times: StageTimes | None = None
 
 
 class RequestFailed(_Message, tag="failed"):

@@ -33,6 +33,9 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_usage: bool = False
     response_id: str = ""  # the id the client sees, when it is not the request id (prompt lists)
     index_offset: int = 0  # added to choice indexes: prompt i of a list starts at i * n
+    # One of a prompt list's sub-requests: streamed, it ends with no usage chunk and no [DONE],
+    # since the frontend writes the response's one ending from the ending Chunks' numbers
+    fanned_out: bool = False
     echo_prompt: str | None = None  # completion echo: the prompt text to prepend
     # stop strings, matched on the text here (engines know only SamplingParams.stop_token_ids)
     stop: list[str] = msgspec.field(default_factory=list)

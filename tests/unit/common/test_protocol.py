@@ -11,7 +11,7 @@ import pytest
 
 from common import protocol
 from common.parser_choice import ParserState
-from common.protocol import decode, decode_token_ids, encode, encode_token_ids, wire
+from common.protocol import Chunk, decode, decode_token_ids, encode, encode_token_ids, wire
 from common.sampling_params import SamplingParams
 
 
@@ -124,7 +124,8 @@ def test_a_response_of_several_prompts_shows_each_stages_slowest() -> None:
         )  # fmt: skip
         for i, t in enumerate([a, b])
     ]
-    merged = msgspec.json.decode(merge_bodies(bodies), type=Completion)
+    endings = [Chunk(request_id=f"c-{i}", data=body, done=True) for i, body in enumerate(bodies)]
+    merged = msgspec.json.decode(merge_bodies(endings), type=Completion)
     slowest = StageTimes(queue_s=0.5, prefill_s=0.3, transfer_s=0.01, first_token_s=0.7, decode_s=2)
     assert merged.perf_metrics == slowest and [c.text for c in merged.choices] == ["0", "1"]
     assert slowest.server_timing(2.5) == (

@@ -128,14 +128,14 @@ def test_version_mismatch_is_refused_with_both_versions_named() -> None:
 
 
 def test_a_worker_of_the_previous_protocol_is_refused() -> None:
-    """8 split the request by receiver: a version-7 postproc worker would find no request in
-    a TokenBatch (its start now comes packed in `starts`) and drop every token, so a mixed
-    deployment must fail at registration instead."""
-    assert PROTOCOL_VERSION == 8
+    """9 ends a prompt list's streams in the frontend: a version-8 postproc worker would drop
+    OutputOptions.fanned_out unread and end each prompt's stream with its own [DONE], so a
+    mixed deployment must fail at registration instead."""
+    assert PROTOCOL_VERSION == 9
     orch = Orchestrator(parse_cluster_config(""))
-    old = Register(worker_id="pp-0", role="postproc", protocol_version=7, pid=1)
+    old = Register(worker_id="pp-0", role="postproc", protocol_version=8, pid=1)
     _, reply = only(orch.handle(b"pp-0", old, 0.0))
-    assert isinstance(reply, Refused) and "7" in reply.reason
+    assert isinstance(reply, Refused) and "8" in reply.reason
     assert not orch.registry.workers
 
 
