@@ -223,7 +223,7 @@ async def _relay(
             open_ids.discard(request_id)
             endings.append(event)
             client.done(request_id)
-            if event.data:  # a fanned-out sub-request's ending holds no frames
+            if event.data:  # its last frames (and, unless fanned out, its ending)
                 yield event.data
         if len(ids) > 1:
             yield stream_ending(output, endings)

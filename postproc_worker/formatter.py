@@ -43,17 +43,11 @@ from postproc_worker.stop_strings import StopStringMatcher
 
 @dataclass(slots=True)
 class StepOutput:
-    """What to do after a delta: push `data` (if any), drop the request, abort upstream.
-
-    `ending` is the tail of `data` that closes the response (the usage chunk and [DONE], or the
-    whole body): the worker sends it as the request's last Chunk, apart from the text before it,
-    so that a frontend merging several prompts' streams can find and merge the endings.
-    """
+    """What to do after a delta: push `data` (if any), drop the request, abort upstream."""
 
     data: bytes = b""
     done: bool = False
     abort_upstream: bool = False
-    ending: bytes = b""
 
 
 @dataclass(slots=True)
@@ -262,7 +256,7 @@ class RequestState:
             return StepOutput(data)
         ending = self._renderer.end_frames() if self.stream else self._renderer.body()
         abort = not all(c.engine_finished for c in self.choices)
-        return StepOutput(data + ending, done=True, abort_upstream=abort, ending=ending)
+        return StepOutput(data + ending, done=True, abort_upstream=abort)
 
     # --- tokens -> text ---------------------------------------------------------------------------
 

@@ -93,21 +93,21 @@ class PostprocWorker:
                 self.end(delta.request_id, upstream=True)
                 continue
             address = self.reply_to[delta.request_id]
-            text = out.data[: len(out.data) - len(out.ending)]
-            if text:
-                self.out.append((address, Chunk(request_id=delta.request_id, data=text)))
-            if out.done:
-                ending = Chunk(
-                    request_id=delta.request_id,
-                    data=out.ending,
-                    done=True,
-                    prompt_tokens=state.billed_prompt_tokens,
-                    cached_tokens=state.billed_cached_tokens,
-                    completion_tokens=state.num_completion_tokens,
-                    times=state.times,
-                )
-                self.out.append((address, ending))
-                self.end(delta.request_id, upstream=out.abort_upstream)
+            if not out.done:
+                if out.data:
+                    self.out.append((address, Chunk(request_id=delta.request_id, data=out.data)))
+                continue
+            ending = Chunk(
+                request_id=delta.request_id,
+                data=out.data,
+                done=True,
+                prompt_tokens=state.billed_prompt_tokens,
+                cached_tokens=state.billed_cached_tokens,
+                completion_tokens=state.num_completion_tokens,
+                times=state.times,
+            )
+            self.out.append((address, ending))
+            self.end(delta.request_id, upstream=out.abort_upstream)
 
     def idle(self, now: float) -> bool:
         """No stream open here (the orchestrator's Drain.in_flight counts the ones not here
