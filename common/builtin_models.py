@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.model_cache import CACHE_ROOT, is_complete
+from common.parser_choice import ToolParserName
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,8 @@ class BuiltinModel:
     name: str
     directory: str  # under the cache root; bump the version in it when the output changes
     per_dtype: bool  # one build per dtype (else float32 serves every dtype)
-    tool_parser: str | None  # the parser its tool prompt is written for (None: by model_type)
+    # the parser its tool prompt is written for (None: by model_type)
+    tool_parser: ToolParserName | None
     summary: str
 
     def model_dir(self, dtype: str = "float32") -> Path:

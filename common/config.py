@@ -13,6 +13,7 @@ import msgspec
 
 from common.builtin_models import builtin_model
 from common.errors import validation_location
+from common.parser_choice import ToolParserName
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -139,9 +140,6 @@ class CpuConfig(_Section, frozen=True):
     # torch threads per engine worker; 0: the host's cores less one, shared out among its engines
     threads_per_engine: Annotated[int, msgspec.Meta(ge=0)] = 0
     pin: bool = True  # each engine worker on its own cores (none shared with another engine)
-
-
-ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3"]
 
 
 class ClusterConfig(_Section, frozen=True):

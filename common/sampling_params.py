@@ -1,4 +1,6 @@
-"""Sampling parameters of one request, as they travel from the frontend to the workers.
+"""Sampling parameters of one request, as they travel from the frontend to the engine workers.
+Stop strings and skip_special_tokens are not here: they shape the text, and only the postproc
+worker makes text (OutputOptions, common/protocol/to_postproc.py).
 
 A msgspec Struct so it can ride inside protocol messages unchanged; `validate()` is the one place
 that decides what the engine accepts, so the HTTP layer and the in-process API reject the same
@@ -67,12 +69,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # none), with k top alternatives: what scoring harnesses (lm-eval) read through echo.
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
-    stop: list[str] = msgspec.field(default_factory=list)  # applied by the detokenizing side
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     max_tokens: int = 16
     min_tokens: int = 0
-    skip_special_tokens: bool = True
     guided: GuidedDecoding | None = None  # a grammar every sampled token must follow
     # An embedding request: the prompt's last final hidden state, L2-normalized, is the answer
     # (last-token pooling, as for decoder-only embedding models); the request ends with its

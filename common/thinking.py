@@ -4,7 +4,7 @@ Templates may prefill the reasoning markers: a forced-thinking template ends the
 `<think>\\n` (the output starts inside the reasoning), and Qwen3's `enable_thinking=False`
 renders an empty `<think>\\n\\n</think>\\n\\n` (the output is all content). Only the frontend
 sees the rendered text; the postproc worker sees token ids, so the frontend resolves the state
-here and sends it in `OutputOptions.parser_state["thinking"]`.
+here and sends it in `OutputOptions.parser_state.thinking`.
 """
 
 from __future__ import annotations

@@ -23,12 +23,12 @@ from common.protocol import (
     Profile,
     ProfileDone,
     RequestFailed,
-    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
     decode_token_ids,
 )
+from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from context_worker.leases import LeaseTable
 from engine.kv_transfer import KVTransferAgent
@@ -190,7 +190,7 @@ class ContextWorker:
             self.engine.release_held(request_id)
             for delta in first:
                 delta.times = times
-            batch = TokenBatch(deltas=first, first=[prefill.request])
+            batch = TokenBatch(deltas=first, starts=[prefill.postproc_start])
             self.out.append((prefill.postproc_address, batch))
         else:
             done.block_ids = self.engine.held_block_table(request_id)

@@ -1,6 +1,6 @@
 """The torch profiler around an engine worker's steps, switched on and off at run time.
 
-POST /start_profile and /stop_profile reach every engine worker (common/protocol.py `Profile`).
+POST /start_profile and /stop_profile reach every engine worker (`Profile` in common/protocol/).
 Between the two (and for at most `profiler.max_steps` steps), torch records each operator the
 worker's steps run; then the worker writes two files into `profiler.dir`: a Chrome trace
 (`<worker>-<time>.pt.trace.json.gz`, for chrome://tracing or Perfetto) and the operator table

@@ -16,7 +16,7 @@ import msgspec
 
 from common.errors import InvalidRequest
 from common.guided import CallSyntax, ThinkingMode, check
-from common.parser_choice import reasoning_parser_for
+from common.parser_choice import ParserState, reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
 from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
@@ -325,7 +325,6 @@ def to_generate_request(
         max_tokens=max_tokens_for(requested, len(prompt), model.max_model_len),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias(body.logit_bias, model.vocab_size),
-        stop=stop_list(body.stop) + list(plan.stop),
         guided=constraint,
         thinking_budget=thinking_budget(body.thinking_token_budget, model, rendered),
     )
@@ -336,7 +335,7 @@ def to_generate_request(
         created=int(time.time()),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        stop=sampling.stop,
+        stop=stop_list(body.stop) + list(plan.stop),
         skip_special_tokens=body.skip_special_tokens,
         parser_state=parser_state(model, rendered, plan),
         prompt_tokens_excluded=max(0, excluded),
@@ -412,15 +411,16 @@ def thinking_budget(
     )
 
 
-def parser_state(model: ModelInfo, rendered: RenderedPrompt, plan: ToolPlan) -> dict[str, Any]:
-    """The postproc parsers' starting state. The thinking state is read from the template's own
-    output (not the prompt with an injected prefix): only the frontend sees that text."""
-    state: dict[str, Any] = {}
+def parser_state(model: ModelInfo, rendered: RenderedPrompt, plan: ToolPlan) -> ParserState | None:
+    """The postproc parsers' starting state (None: no parsing). The thinking state is read from
+    the template's own output (not the prompt with an injected prefix): only the frontend sees
+    that text."""
     reasoning = reasoning_parser_for(model.model_type)
-    if reasoning is not None:
-        state["reasoning_parser"] = reasoning
-        state["thinking"] = resolve_prefilled_thinking(rendered.template_text)
-    if plan.parse_tools:
-        state["tool_parser"] = model.tool_parser
-        state["in_tool_call"] = plan.in_tool_call
-    return state
+    if reasoning is None and not plan.parse_tools:
+        return None
+    return ParserState(
+        reasoning_parser=reasoning,
+        thinking=resolve_prefilled_thinking(rendered.template_text) if reasoning else None,
+        tool_parser=model.tool_parser if plan.parse_tools else None,
+        in_tool_call=plan.parse_tools and plan.in_tool_call,
+    )

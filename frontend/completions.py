@@ -171,7 +171,6 @@ def to_generate_requests(
             logprobs=(body.logprobs or 0) if ranked else body.logprobs,  # ranked by log-prob
             prompt_logprobs=body.logprobs if body.echo else None,
             logit_bias=bias,
-            stop=stops,
             guided=constraint,
         )
         prompt_b64 = encode_token_ids(prompt)
@@ -187,6 +186,7 @@ def to_generate_requests(
             output_logprobs=body.logprobs,
             response_id=request_id,
             index_offset=i * body.n,
+            fanned_out=len(prompts) > 1,
             stop=stops,
             skip_special_tokens=body.skip_special_tokens,
             return_token_ids=body.return_token_ids,

@@ -3,9 +3,11 @@
 One request: relay the postproc worker's bytes (the whole JSON body, or SSE frames) untouched.
 Several (a completions request with a list of prompts, an embeddings request with a list of
 inputs): each sub-request's choices already carry their final index and the client's response id
-(OutputOptions.index_offset / response_id), so the streams are interleaved as they come; only
-the endings are merged: one usage chunk (summed) and one [DONE]. Non-streaming bodies are merged
-choice by choice (vector by vector).
+(OutputOptions.index_offset / response_id), so the streams are interleaved as they come. Usage
+travels as numbers on each sub-request's ending Chunk and is summed here: a fanned-out stream's
+sub-requests end with no usage chunk and no [DONE] of their own (OutputOptions.fanned_out), and
+the frontend writes the response's one ending. Non-streaming bodies are decoded for their
+choices (vectors), which only they hold, and merged in order, with the summed usage.
 
 The client going away before its answer aborts every sub-request (the blocks are freed on every
 worker); so does a failure of any one of them, and so does the request's deadline
@@ -28,8 +30,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from common.errors import anthropic_error_body, as_anthropic_error, error_body
-from common.openai_schema import Completion, EmbeddingList, PromptTokensDetails, Usage
-from common.protocol import Chunk, GenerateRequest, RequestFailed
+from common.openai_schema import (
+    Completion,
+    EmbeddingList,
+    EmbeddingUsage,
+    PromptTokensDetails,
+    Usage,
+)
+from common.protocol import Chunk, GenerateRequest, OutputOptions, RequestFailed
 from common.stage_times import StageTimes
 from frontend import metrics
 from frontend.cluster_client import ClusterClient, Event
@@ -130,16 +138,19 @@ async def serve(
     if not generates[0].output.stream:
         for request_id in ids:
             client.done(request_id)
-        bodies = [c.data for c in chunks]
         merge = merge_embedding_bodies if generates[0].output.kind == "embedding" else merge_bodies
-        body = bodies[0] if len(bodies) == 1 else merge(bodies)
+        body = chunks[0].data if len(chunks) == 1 else merge(chunks)
         prompt, completion = _usage(chunks)
         times = _slowest([c.times for c in chunks])
         metrics.observe_generation(ttft_s, ttft_s, prompt, completion, streamed=False, times=times)
         headers = {"Server-Timing": times.server_timing(ttft_s)} if times is not None else None
         return Response(body, media_type="application/json", headers=headers)
+    relay = _relay(
+        client, ids, chunks, queues, generates[0].output, media, started, ttft_s, deadline,
+        timeout_s,
+    )  # fmt: skip
     return StreamingResponse(
-        _relay(client, ids, chunks, queues, media, started, ttft_s, deadline, timeout_s),
+        relay,
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
@@ -177,6 +188,7 @@ async def _relay(
     ids: list[str],
     firsts: list[Chunk],
     queues: list[asyncio.Queue[Event]],
+    output: OutputOptions,
     media: str,
     started: float,
     ttft_s: float,
@@ -186,7 +198,6 @@ async def _relay(
     """SSE bytes until every sub-request is done. A failure, or the deadline, sends a final
     error frame; a client that leaves (the generator is closed) aborts what is still running."""
     open_ids = set(ids)
-    finals: list[bytes] = []
     endings: list[Chunk] = []
     merged: asyncio.Queue[tuple[str, Event]] = asyncio.Queue()
     pumps = [
@@ -212,12 +223,10 @@ async def _relay(
             open_ids.discard(request_id)
             endings.append(event)
             client.done(request_id)
-            if len(ids) == 1:
+            if event.data:  # its last frames (and, unless fanned out, its ending)
                 yield event.data
-            else:
-                finals.append(event.data)
-        if finals:
-            yield merge_stream_endings(finals)
+        if len(ids) > 1:
+            yield stream_ending(output, endings)
         prompt, completion = _usage(endings)
         e2e_s = time.perf_counter() - started
         times = _slowest([c.times for c in endings])
@@ -254,47 +263,48 @@ def _slowest(times: Iterable[StageTimes | UnsetType | None]) -> StageTimes | Non
     return functools.reduce(StageTimes.slowest, measured) if measured else None
 
 
-def merge_bodies(bodies: list[bytes]) -> bytes:
+def merge_bodies(endings: list[Chunk]) -> bytes:
     """Several prompts' completion bodies as one: choices in order, usage summed."""
-    parts = [msgspec.json.decode(b, type=Completion) for b in bodies]
+    parts = [msgspec.json.decode(c.data, type=Completion) for c in endings]
     merged = parts[0]
     merged.choices = [c for p in parts for c in p.choices]
-    merged.usage = _sum_usage([p.usage for p in parts if isinstance(p.usage, Usage)])
+    merged.usage = summed_usage(endings)
     merged.perf_metrics = _slowest([p.perf_metrics for p in parts]) or UNSET
     return msgspec.json.encode(merged)
 
 
-def merge_embedding_bodies(bodies: list[bytes]) -> bytes:
+def merge_embedding_bodies(endings: list[Chunk]) -> bytes:
     """Several inputs' embedding bodies as one: vectors in order, usage summed."""
-    parts = [msgspec.json.decode(b, type=EmbeddingList) for b in bodies]
+    parts = [msgspec.json.decode(c.data, type=EmbeddingList) for c in endings]
     merged = parts[0]
     merged.data = [item for p in parts for item in p.data]
-    merged.usage.prompt_tokens = sum(p.usage.prompt_tokens for p in parts)
-    merged.usage.total_tokens = sum(p.usage.total_tokens for p in parts)
+    prompt_tokens = sum(c.prompt_tokens for c in endings)
+    merged.usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
     return msgspec.json.encode(merged)
 
 
-def merge_stream_endings(finals: list[bytes]) -> bytes:
-    """The sub-streams' endings (an optional usage chunk, then [DONE]) as one ending."""
-    usage_chunks = [
-        msgspec.json.decode(frame[len(b"data: ") :], type=Completion)
-        for data in finals
-        for frame in data.split(b"\n\n")
-        if frame.startswith(b"data: {")
-    ]
-    if not usage_chunks:
+def stream_ending(output: OutputOptions, endings: list[Chunk]) -> bytes:
+    """A fanned-out stream's one ending, as a single request's postproc worker writes it
+    (postproc_worker/openai_frames.end_of_stream): a last chunk with no choices when the client
+    asked for the usage (summed) or the perf metrics (each stage's slowest), then [DONE]."""
+    if not (output.include_usage or output.perf_metrics):
         return SSE_DONE
-    ending = usage_chunks[0]
-    if isinstance(ending.usage, Usage):
-        ending.usage = _sum_usage([c.usage for c in usage_chunks if isinstance(c.usage, Usage)])
-    ending.perf_metrics = _slowest([c.perf_metrics for c in usage_chunks]) or UNSET
-    return b"data: " + msgspec.json.encode(ending) + b"\n\n" + SSE_DONE
+    last = Completion(
+        id=output.response_id,
+        created=output.created,
+        model=output.model,
+        choices=[],
+        usage=summed_usage(endings) if output.include_usage else UNSET,
+    )
+    if output.perf_metrics:
+        last.perf_metrics = _slowest([c.times for c in endings]) or UNSET
+    return b"data: " + msgspec.json.encode(last) + b"\n\n" + SSE_DONE
 
 
-def _sum_usage(usages: list[Usage]) -> Usage:
-    prompt = sum(u.prompt_tokens for u in usages)
-    completion = sum(u.completion_tokens for u in usages)
-    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+def summed_usage(endings: list[Chunk]) -> Usage:
+    """The response's usage from its sub-requests' ending Chunks."""
+    prompt, completion = _usage(endings)
+    cached = sum(c.cached_tokens for c in endings)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,

@@ -15,7 +15,7 @@ from common.builtin_models import builtin_model, resolve_model_dir
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.guided import ll_tokenizer
-from common.parser_choice import tool_parser_for
+from common.parser_choice import ToolParserName, tool_parser_for
 from common.tokenizer import Tokenizer, load_tokenizer
 from frontend.sampling import SamplingDefaults
 
@@ -25,7 +25,8 @@ class ModelInfo:
     name: str  # the `model:` value clients must send
     model_dir: Path
     model_type: str  # config.json's, e.g. "qwen3": picks the reasoning parser
-    tool_parser: str  # the tool-call format: parsed in the postproc worker, taught by the prompt
+    # the tool-call format: parsed in the postproc worker, taught by the prompt
+    tool_parser: ToolParserName
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int

@@ -34,12 +34,12 @@ from common.protocol import (
     Registered,
     RequestFailed,
     RequestFinished,
-    StageTimes,
     TokenBatch,
     TokenDelta,
     WorkerStats,
     decode_token_ids,
 )
+from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
@@ -60,7 +60,7 @@ PEERS_REQUEST_INTERVAL_S = 1.0
 class ActiveRequest:
     decode: DecodeRequest
     unfinished: set[int]  # choices still decoding
-    announced: bool = False  # its postproc worker has been sent the GenerateRequest
+    announced: bool = False  # its postproc worker has been sent the PostprocStart
     num_output_tokens: int = 0
     transfer_num_bytes: int = 0
     transfer_seconds: float = 0.0
@@ -448,7 +448,7 @@ class GenerationWorker:
         batch = self.batches.setdefault(address, TokenBatch(deltas=[]))
         if not active.announced:
             active.announced = True
-            batch.first.append(active.decode.request)
+            batch.starts.append(active.decode.postproc_start)
         batch.deltas.extend(deltas)
         active.num_output_tokens += sum(len(d.token_ids) for d in deltas)
 

@@ -20,6 +20,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+import msgspec
+
 from common.config import ClusterConfig
 from common.kv_events import BlockRemoved, BlockStored
 from common.protocol import (
@@ -30,6 +32,7 @@ from common.protocol import (
     DecodeRequest,
     Drain,
     DrainKVEvents,
+    EngineRequest,
     GenerateRequest,
     Heartbeat,
     KVEvents,
@@ -48,6 +51,7 @@ from common.protocol import (
     RequestFailed,
     RequestFinished,
     WorkerInfo,
+    pack_postproc_start,
 )
 from orchestrator.kv_event_log import KVEventLog
 from orchestrator.profile_round import ProfileRound
@@ -72,6 +76,10 @@ class State(enum.Enum):
 class RequestRecord:
     request: GenerateRequest
     frontend: bytes  # the ROUTER identity to send RequestFailed to
+    # The request split once, by receiver: what engine workers read, and the postproc worker's
+    # part, packed, which an engine worker forwards with the first tokens
+    engine: EngineRequest
+    postproc_start: msgspec.Raw
     postproc_address: str = ""
     postproc_worker_id: str = ""
     state: State = State.QUEUED
@@ -350,7 +358,13 @@ class Orchestrator:
             busy = f"the cluster is at capacity ({limit} requests in flight); retry shortly"
             out.append((sender, self.failure(request.request_id, 429, busy)))
             return
-        record = RequestRecord(request, sender, received_at=now)
+        record = RequestRecord(
+            request,
+            sender,
+            request.engine_request(),
+            pack_postproc_start(request.postproc_start()),
+            received_at=now,
+        )
         postproc = self.registry.postproc_for(request.request_id)
         if postproc is None:
             out.append((sender, self.failure(request.request_id, 503, "no postproc worker is up")))
@@ -399,7 +413,11 @@ class Orchestrator:
         record.state = State.PREFILLING
         record.prefill_attempts += 1
         self.assign(record, worker, "context_worker")
-        prefill = PrefillRequest(request=record.request, postproc_address=record.postproc_address)
+        prefill = PrefillRequest(
+            request=record.engine,
+            postproc_address=record.postproc_address,
+            postproc_start=record.postproc_start,
+        )
         out.append((worker.worker_id.encode(), prefill))
 
     def on_prefill_done(self, done: PrefillDone, now: float, out: Outbox) -> None:
@@ -436,7 +454,10 @@ class Orchestrator:
         record.state = State.DECODING
         self.assign(record, worker, "generation_worker")
         decode = DecodeRequest(
-            request=record.request, postproc_address=record.postproc_address, prefill=prefill
+            request=record.engine,
+            postproc_address=record.postproc_address,
+            postproc_start=record.postproc_start,
+            prefill=prefill,
         )
         out.append((worker.worker_id.encode(), decode))
 

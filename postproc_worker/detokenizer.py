@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.protocol import PROMPT_CONTEXT_TOKENS  # the prompt's tail the orchestrator sends
 from common.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
-PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept as left context for the first output tokens
 
 
 class IncrementalDetokenizer:

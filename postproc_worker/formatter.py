@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import msgspec
 
 from common.openai_schema import Usage
-from common.protocol import GenerateRequest, OutputOptions, TokenDelta, decode_token_ids
+from common.parser_choice import ParserState
+from common.protocol import OutputOptions, PostprocStart, TokenDelta, decode_token_ids
 from common.responses_schema import ResponseSettings
 from common.stage_times import StageTimes
 from common.tokenizer import Tokenizer
@@ -36,23 +37,17 @@ from postproc_worker import (
     responses_format,
 )
 from postproc_worker.detokenizer import IncrementalDetokenizer
-from postproc_worker.parsers import ChoiceParsers, ParsedText, ParserState, special_texts
+from postproc_worker.parsers import ChoiceParsers, ParsedText, special_texts
 from postproc_worker.stop_strings import StopStringMatcher
 
 
 @dataclass(slots=True)
 class StepOutput:
-    """What to do after a delta: push `data` (if any), drop the request, abort upstream.
-
-    `ending` is the tail of `data` that closes the response (the usage chunk and [DONE], or the
-    whole body): the worker sends it as the request's last Chunk, apart from the text before it,
-    so that a frontend merging several prompts' streams can find and merge the endings.
-    """
+    """What to do after a delta: push `data` (if any), drop the request, abort upstream."""
 
     data: bytes = b""
     done: bool = False
     abort_upstream: bool = False
-    ending: bytes = b""
 
 
 @dataclass(slots=True)
@@ -143,55 +138,56 @@ class SingleChoiceRenderer:
         )
 
 
-def _renderer(state: RequestState, request: GenerateRequest) -> Renderer:
-    options = request.output
+def _renderer(state: RequestState, start: PostprocStart) -> Renderer:
+    options = start.output
     if options.kind == "chat":
         return chat_format.ChatRenderer(state)
     if options.kind == "embedding":
         return embedding_format.EmbeddingRenderer(state)
     if options.kind == "anthropic":
-        anthropic = anthropic_format.AnthropicRenderer(request.request_id, options.model)
+        anthropic = anthropic_format.AnthropicRenderer(start.request_id, options.model)
         return SingleChoiceRenderer(state, anthropic)
     if options.kind == "responses":
         settings = options.responses or ResponseSettings()
         responses = responses_format.ResponsesRenderer(
-            request.request_id, options.model, options.created, settings
+            start.request_id, options.model, options.created, settings
         )
         return SingleChoiceRenderer(state, responses)
     return completion_format.CompletionRenderer(state)
 
 
 class RequestState:
-    """Everything the postproc worker keeps for one request, built from its GenerateRequest.
+    """Everything the postproc worker keeps for one request, built from its PostprocStart.
     The renderers read its public attributes."""
 
-    def __init__(self, request: GenerateRequest, tokenizer: Tokenizer) -> None:
-        options = request.output
-        self.request_id = request.request_id
-        self.response_id = options.response_id or request.request_id  # what the client sees
+    def __init__(self, start: PostprocStart, tokenizer: Tokenizer) -> None:
+        options = start.output
+        self.request_id = start.request_id
+        self.response_id = options.response_id or start.request_id  # what the client sees
         self.index_offset = options.index_offset
         self.tokenizer = tokenizer
         self.stream = options.stream
         self.include_usage = options.include_usage
+        self.fanned_out = options.fanned_out  # streamed: the frontend writes the ending
         self.model = options.model
         self.created = options.created
         self.echo = (options.echo_prompt or "") if options.kind == "completion" else ""
         # max_tokens 0 with echo, or an embedding: the one token sampled is not output
         self._no_output = options.echo_only or options.kind == "embedding"
-        self._record_logprobs = request.sampling.logprobs is not None  # to show, or to rank
+        self._record_logprobs = start.logprobs is not None  # to show, or to rank
         # None: not asked for (best_of ranks by log-probs the client may not have asked for)
-        self.num_logprobs = (
-            options.output_logprobs if options.keep_best else request.sampling.logprobs
-        )
+        self.num_logprobs = options.output_logprobs if options.keep_best else start.logprobs
         self._keep_best = options.keep_best
         # echo with logprobs: the prompt's tokens come first in each choice's logprobs
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
         self.embedding: bytes | None = None  # kind "embedding": the pooled vector
         self.embedding_base64 = options.embedding_base64
-        self._min_tokens = request.sampling.min_tokens  # stop strings are ignored before this many
-        prompt = request.prompt_token_ids_b64
+        self._min_tokens = start.min_tokens  # stop strings are ignored before this many
+        # the whole prompt when the answer shows it, else none: only its tail, for detokenizing
+        prompt = start.prompt_token_ids_b64
         prompt_token_ids = decode_token_ids(prompt) if prompt else []
-        self.num_prompt_tokens = len(prompt_token_ids)
+        context = prompt_token_ids or decode_token_ids(start.prompt_tail_b64)
+        self.num_prompt_tokens = start.num_prompt_tokens
         self.num_unbilled_prompt_tokens = options.prompt_tokens_excluded
         self.return_token_ids = options.return_token_ids
         self.perf_metrics = options.perf_metrics  # the renderers show `times` when asked
@@ -200,7 +196,6 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.num_cached_tokens = 0
         self.done = False
-        self._parser_error: ValueError | None = None  # raised by `add`: fails this request only
         parser_state = self._parser_state(options)
         self.choices = [
             ChoiceState(
@@ -209,26 +204,23 @@ class RequestState:
                     tokenizer,
                     # Parsers must see their markers, special tokens or not; they drop the rest.
                     skip_special_tokens=options.skip_special_tokens and parser_state is None,
-                    prompt_token_ids=prompt_token_ids,
+                    prompt_token_ids=context,
                 ),
                 stop=StopStringMatcher(options.stop),
                 parsers=ChoiceParsers(parser_state, special_texts(tokenizer))
                 if parser_state is not None
                 else None,
             )
-            for i in range(request.sampling.n)
+            for i in range(start.n)
         ]
-        self._renderer = _renderer(self, request)
+        self._renderer = _renderer(self, start)
 
-    def _parser_state(self, options: OutputOptions) -> ParserState | None:
-        if options.kind in ("completion", "embedding") or not options.parser_state:
+    @staticmethod
+    def _parser_state(options: OutputOptions) -> ParserState | None:
+        state = options.parser_state
+        if options.kind in ("completion", "embedding") or state is None or not state.active:
             return None
-        try:
-            state = ParserState.from_dict(options.parser_state)
-        except msgspec.ValidationError as exc:
-            self._parser_error = ValueError(f"invalid parser_state: {exc}")
-            return None
-        return state if state.active else None
+        return state
 
     @property
     def num_completion_tokens(self) -> int:
@@ -236,8 +228,6 @@ class RequestState:
 
     def add(self, delta: TokenDelta) -> StepOutput:
         """Feed one choice's new tokens; late ones (request done, or choice stopped) are dropped."""
-        if self._parser_error is not None:
-            raise self._parser_error
         if self.done:
             return StepOutput(done=True)
         choice = self.choices[delta.index]
@@ -266,7 +256,7 @@ class RequestState:
             return StepOutput(data)
         ending = self._renderer.end_frames() if self.stream else self._renderer.body()
         abort = not all(c.engine_finished for c in self.choices)
-        return StepOutput(data + ending, done=True, abort_upstream=abort, ending=ending)
+        return StepOutput(data + ending, done=True, abort_upstream=abort)
 
     # --- tokens -> text ---------------------------------------------------------------------------
 

@@ -29,7 +29,10 @@ def end_of_stream(
     state: RequestState, last_chunk: Callable[[Usage | None], Completion | ChatCompletionChunk]
 ) -> bytes:
     """A stream's closing frames: a last chunk with no choices when the client asked for the
-    usage or the perf metrics (or both), then [DONE]."""
+    usage or the perf metrics (or both), then [DONE]. None for one of a prompt list's streams:
+    the frontend writes that response's one ending (frontend/generation.py)."""
+    if state.fanned_out:
+        return b""
     if not (state.include_usage or state.perf_metrics):
         return SSE_DONE
     last = last_chunk(state.usage() if state.include_usage else None)

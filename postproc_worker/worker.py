@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from common.errors import error_body
 from common.protocol import (
     FAILED,
@@ -22,6 +24,7 @@ from common.protocol import (
     Message,
     TokenBatch,
     WorkerStats,
+    unpack_postproc_start,
 )
 from common.tokenizer import Tokenizer
 from common.worker_process import ORCHESTRATOR, Outbox
@@ -65,9 +68,14 @@ class PostprocWorker:
         return []  # all its work comes with messages
 
     def process(self, batch: TokenBatch) -> None:
-        for request in batch.first:
-            self.requests[request.request_id] = RequestState(request, self.tokenizer)
-            self.reply_to[request.request_id] = request.reply_to
+        for packed in batch.starts:
+            try:
+                start = unpack_postproc_start(packed)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("dropped a malformed PostprocStart (%d bytes): %s", len(packed), exc)
+                continue  # its tokens are dropped as never announced
+            self.requests[start.request_id] = RequestState(start, self.tokenizer)
+            self.reply_to[start.request_id] = start.reply_to
         for delta in batch.deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
@@ -85,20 +93,21 @@ class PostprocWorker:
                 self.end(delta.request_id, upstream=True)
                 continue
             address = self.reply_to[delta.request_id]
-            text = out.data[: len(out.data) - len(out.ending)]
-            if text:
-                self.out.append((address, Chunk(request_id=delta.request_id, data=text)))
-            if out.done:
-                ending = Chunk(
-                    request_id=delta.request_id,
-                    data=out.ending,
-                    done=True,
-                    prompt_tokens=state.billed_prompt_tokens,
-                    completion_tokens=state.num_completion_tokens,
-                    times=state.times,
-                )
-                self.out.append((address, ending))
-                self.end(delta.request_id, upstream=out.abort_upstream)
+            if not out.done:
+                if out.data:
+                    self.out.append((address, Chunk(request_id=delta.request_id, data=out.data)))
+                continue
+            ending = Chunk(
+                request_id=delta.request_id,
+                data=out.data,
+                done=True,
+                prompt_tokens=state.billed_prompt_tokens,
+                cached_tokens=state.billed_cached_tokens,
+                completion_tokens=state.num_completion_tokens,
+                times=state.times,
+            )
+            self.out.append((address, ending))
+            self.end(delta.request_id, upstream=out.abort_upstream)
 
     def idle(self, now: float) -> bool:
         """No stream open here (the orchestrator's Drain.in_flight counts the ones not here

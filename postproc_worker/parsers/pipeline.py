@@ -3,10 +3,10 @@
     text ──▶ special tokens out ──▶ ReasoningParser ──reasoning─────────────▶ reasoning_content
              (but the markers)                      ──content──▶ ToolParser ──▶ content, tool_calls
 
-The frontend asks for parsers in `OutputOptions.parser_state` (see `ParserState`); the postproc
-worker then decodes the choice with special tokens kept, whatever `skip_special_tokens` says, so
-that markers which are special tokens (`[TOOL_CALLS]`, `<｜tool▁calls▁begin｜>`) reach the parsers,
-and removes the other special tokens (`<|im_end|>`, `<|eot_id|>`) here.
+The frontend asks for parsers in `OutputOptions.parser_state` (common/parser_choice.py); the
+postproc worker then decodes the choice with special tokens kept, whatever `skip_special_tokens`
+says, so that markers which are special tokens (`[TOOL_CALLS]`, `<｜tool▁calls▁begin｜>`) reach
+the parsers, and removes the other special tokens (`<|im_end|>`, `<|eot_id|>`) here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 
-import msgspec
 from msgspec import UNSET
 
 from common.openai_schema import (
@@ -25,6 +24,7 @@ from common.openai_schema import (
     FunctionCall,
     ToolCall,
 )
+from common.parser_choice import ParserState
 from common.tokenizer import Tokenizer
 from postproc_worker.parsers.markers import MarkerFilter, Markers
 from postproc_worker.parsers.reasoning import REASONING_PARSERS, ReasoningParser
@@ -35,43 +35,6 @@ from postproc_worker.parsers.tools import (
     ToolEvent,
     ToolParser,
 )
-
-
-class ParserState(
-    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
-):
-    """The parsers a chat request asks for: `OutputOptions.parser_state`, as a typed record.
-
-    The state each choice's output starts in: the frontend sets it from the request and the
-    rendered prompt. Absent keys take these defaults; an empty dict means no parsing.
-    """
-
-    reasoning_parser: str | None = None  # a REASONING_PARSERS key: "qwen3", "deepseek-r1"
-    thinking: bool | None = None  # common.thinking.resolve_prefilled_thinking of the template
-    tool_parser: str | None = None  # a TOOL_PARSERS key; set only when the request has tools
-    in_tool_call: bool = False  # the prompt ends with the tool parser's `begin` (a forced call)
-
-    def __post_init__(self) -> None:
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}")
-        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool_parser {self.tool_parser!r}")
-        if self.in_tool_call and self.tool_parser is None:
-            raise ValueError("in_tool_call needs a tool_parser")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, object]) -> ParserState:
-        """Raises msgspec.ValidationError on an unknown key, a wrong type or an unknown parser."""
-        return msgspec.convert(raw, cls)
-
-    def to_dict(self) -> dict[str, object]:
-        """The dict for `OutputOptions.parser_state`, defaults left out."""
-        out: dict[str, object] = msgspec.to_builtins(self)
-        return out
-
-    @property
-    def active(self) -> bool:
-        return self.reasoning_parser is not None or self.tool_parser is not None
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from common.parser_choice import ReasoningParserName
 from common.thinking import THINK_END, THINK_START
 from postproc_worker.parsers.markers import Markers
 
@@ -31,7 +32,7 @@ class ReasoningFormat:
     reasoning_at_start: bool = False  # when the prompt did not say: the output starts inside
 
 
-REASONING_PARSERS = {
+REASONING_PARSERS: dict[ReasoningParserName, ReasoningFormat] = {
     "qwen3": ReasoningFormat(),
     "deepseek-r1": ReasoningFormat(reasoning_at_start=True),
 }

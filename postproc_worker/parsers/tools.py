@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import ClassVar
 
+from common.parser_choice import ToolParserName
 from postproc_worker.parsers.json_stream import CallObject, JsonValue
 from postproc_worker.parsers.markers import Markers
 
@@ -415,7 +416,7 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
+TOOL_PARSERS: dict[ToolParserName, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,

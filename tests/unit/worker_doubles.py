@@ -20,6 +20,7 @@ from common.protocol import (
     PrefillDone,
     PrefillRequest,
     encode_token_ids,
+    pack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.worker_process import ORCHESTRATOR, Outbox
@@ -63,11 +64,22 @@ def generate_request(
 
 
 def prefill_request(request: GenerateRequest) -> PrefillRequest:
-    return PrefillRequest(request=request, postproc_address=POSTPROC)
+    """As the orchestrator makes it (Orchestrator.start_prefill)."""
+    return PrefillRequest(
+        request=request.engine_request(),
+        postproc_address=POSTPROC,
+        postproc_start=pack_postproc_start(request.postproc_start()),
+    )
 
 
 def decode_request(request: GenerateRequest, prefill: PrefillDone | None = None) -> DecodeRequest:
-    return DecodeRequest(request=request, postproc_address=POSTPROC, prefill=prefill)
+    """As the orchestrator makes it (Orchestrator.start_decode)."""
+    return DecodeRequest(
+        request=request.engine_request(),
+        postproc_address=POSTPROC,
+        postproc_start=pack_postproc_start(request.postproc_start()),
+        prefill=prefill,
+    )
 
 
 def sent(out: Outbox, destination: str = ORCHESTRATOR) -> list[Message]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import typing
 
 import msgspec
 import pytest
 
 from common import protocol
-from common.protocol import decode, decode_token_ids, encode, encode_token_ids
+from common.parser_choice import ParserState
+from common.protocol import Chunk, decode, decode_token_ids, encode, encode_token_ids, wire
 from common.sampling_params import SamplingParams
 
 
@@ -16,18 +19,23 @@ def sample_request() -> protocol.GenerateRequest:
     return protocol.GenerateRequest(
         request_id="cmpl-1",
         prompt_token_ids_b64=encode_token_ids([1, 2, 70000]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"]),
-        output=protocol.OutputOptions(kind="chat", model="tiny", stream=True),
+        sampling=SamplingParams(temperature=0.0, max_tokens=8),
+        output=protocol.OutputOptions(kind="chat", model="tiny", stream=True, stop=["\n"]),
         reply_to="tcp://127.0.0.1:6000",
     )
 
 
 def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
     members = typing.get_args(protocol.Message)
-    base = protocol._Message
+    base = wire._Message
+    modules = [
+        importlib.import_module(f"common.protocol.{m.name}")
+        for m in pkgutil.iter_modules(protocol.__path__)
+    ]
     defined = [
         obj
-        for obj in vars(protocol).values()
+        for module in [protocol, *modules]
+        for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, base) and obj is not base
     ]
     assert set(defined) == set(members)
@@ -48,7 +56,16 @@ def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
             first=[protocol.TokenDelta("cmpl-1", 0, [5], num_prompt_tokens=3)],
             block_ids=[3, 4],
         ),
-        protocol.DecodeRequest(request=sample_request(), postproc_address="tcp://127.0.0.1:6001"),
+        protocol.PrefillRequest(
+            request=sample_request().engine_request(),
+            postproc_address="tcp://127.0.0.1:6001",
+            postproc_start=protocol.pack_postproc_start(sample_request().postproc_start()),
+        ),
+        protocol.DecodeRequest(
+            request=sample_request().engine_request(),
+            postproc_address="tcp://127.0.0.1:6001",
+            postproc_start=protocol.pack_postproc_start(sample_request().postproc_start()),
+        ),
         protocol.Heartbeat(worker_id="gen-0", stats=protocol.WorkerStats(blocks_used=3)),
         protocol.ClusterInfo(
             workers=[
@@ -59,7 +76,7 @@ def test_every_message_class_is_in_the_union_with_a_unique_tag() -> None:
         ),
         protocol.TokenBatch(
             deltas=[protocol.TokenDelta("cmpl-1", 0, [7, 8], [-0.5, -0.25], None, "stop")],
-            first=[sample_request()],
+            starts=[protocol.pack_postproc_start(sample_request().postproc_start())],
         ),
         protocol.Chunk(request_id="cmpl-1", data=b"data: {}\n\n"),
     ],
@@ -107,7 +124,8 @@ def test_a_response_of_several_prompts_shows_each_stages_slowest() -> None:
         )  # fmt: skip
         for i, t in enumerate([a, b])
     ]
-    merged = msgspec.json.decode(merge_bodies(bodies), type=Completion)
+    endings = [Chunk(request_id=f"c-{i}", data=body, done=True) for i, body in enumerate(bodies)]
+    merged = msgspec.json.decode(merge_bodies(endings), type=Completion)
     slowest = StageTimes(queue_s=0.5, prefill_s=0.3, transfer_s=0.01, first_token_s=0.7, decode_s=2)
     assert merged.perf_metrics == slowest and [c.text for c in merged.choices] == ["0", "1"]
     assert slowest.server_timing(2.5) == (
@@ -126,3 +144,106 @@ def test_a_finish_reason_outside_the_typed_set_fails_to_decode() -> None:
     finished = protocol.RequestFinished(request_id="r", worker_id="gen-0", finish_reason="done")  # type: ignore[arg-type]
     with pytest.raises(msgspec.ValidationError):
         decode(encode(finished))
+
+
+def test_a_parser_state_naming_an_unknown_parser_fails_to_decode() -> None:
+    good = msgspec.structs.replace(
+        sample_request(),
+        output=protocol.OutputOptions(
+            kind="chat", parser_state=ParserState(reasoning_parser="qwen3", tool_parser="hermes")
+        ),
+    )
+    assert decode(encode(good)) == good
+    for bad_state in [
+        {"tool_parser": "nope"},
+        {"reasoning_parser": "nope"},
+        {"in_tool_call": True},  # a forced call with no parser to read it
+        {"tool_parser": "hermes", "extra": 1},
+    ]:
+        raw = msgspec.to_builtins(good)
+        raw["output"]["parser_state"] = bad_state
+        with pytest.raises(msgspec.ValidationError, match="parser_state"):
+            decode(msgspec.msgpack.encode(raw))
+
+
+def test_token_ids_are_counted_and_cut_without_decoding() -> None:
+    for n in range(12):
+        ids = list(range(1000, 1000 + n))
+        b64 = encode_token_ids(ids)
+        assert protocol.count_token_ids(b64) == n
+        tail = decode_token_ids(protocol.tail_token_ids(b64, 5))
+        assert min(n, 5) <= len(tail) <= min(n, 7) and tail == ids[n - len(tail) :]
+
+
+def chat_request(**output: object) -> protocol.GenerateRequest:
+    """A request with everything only the postproc worker reads set to something findable."""
+    return msgspec.structs.replace(
+        sample_request(),
+        output=protocol.OutputOptions(
+            kind="chat",
+            stop=["###SENTINEL"],
+            skip_special_tokens=False,
+            parser_state=ParserState(reasoning_parser="qwen3", tool_parser="hermes"),
+            **output,  # type: ignore[arg-type]
+        ),
+        cache_salt="tenant-a",
+        priority=3,
+        prompt_block_hashes=[123456789],
+    )
+
+
+def test_an_engine_worker_reads_no_output_options_or_routing_fields() -> None:
+    request = chat_request()
+    engine = request.engine_request()
+    assert set(engine.__struct_fields__) == {
+        "request_id", "prompt_token_ids_b64", "sampling", "cache_salt", "priority"
+    }  # fmt: skip
+    assert engine.extra_keys == request.extra_keys == (("cache_salt", "tenant-a"),)
+    assert not {"stop", "skip_special_tokens"} & set(SamplingParams.__struct_fields__)
+    prefill = protocol.PrefillRequest(
+        request=engine,
+        postproc_address="tcp://127.0.0.1:6001",
+        postproc_start=protocol.pack_postproc_start(request.postproc_start()),
+    )
+    # what an engine worker decodes: everything but the packed start it forwards unread
+    read = msgspec.msgpack.decode(encode(prefill))
+    del read["postproc_start"]
+    text = msgspec.json.encode(read)
+    for absent in [
+        b"SENTINEL",
+        b"stop",
+        b"skip_special_tokens",
+        b"parser",
+        b"reply_to",
+        b"123456789",
+    ]:
+        assert absent not in text, absent
+
+
+def test_the_postproc_worker_gets_the_prompt_only_when_the_answer_shows_it() -> None:
+    prompt = list(range(100, 140))
+    for output, whole in [
+        ({}, False),
+        ({"return_token_ids": True}, True),
+        ({"kind": "completion", "echo_prompt": "the prompt"}, True),
+    ]:
+        request = msgspec.structs.replace(
+            sample_request(),
+            prompt_token_ids_b64=encode_token_ids(prompt),
+            sampling=SamplingParams(n=3, logprobs=2, min_tokens=4),
+            output=protocol.OutputOptions(**output),  # type: ignore[arg-type]
+        )
+        start = protocol.unpack_postproc_start(
+            protocol.pack_postproc_start(request.postproc_start())
+        )
+        assert (start.request_id, start.reply_to, start.output) == (
+            request.request_id, request.reply_to, request.output
+        )  # fmt: skip
+        assert (start.n, start.logprobs, start.min_tokens, start.num_prompt_tokens) == (3, 2, 4, 40)
+        if whole:
+            assert decode_token_ids(start.prompt_token_ids_b64) == prompt
+            assert start.prompt_tail_b64 == ""
+        else:
+            assert start.prompt_token_ids_b64 == ""
+            tail = decode_token_ids(start.prompt_tail_b64)
+            assert protocol.PROMPT_CONTEXT_TOKENS <= len(tail) < 10 and prompt[-len(tail) :] == tail

@@ -22,6 +22,7 @@ from common.protocol import (
     RequestFailed,
     decode,
     encode_token_ids,
+    pack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.transport import bind_random_port, make_socket, send_to
@@ -73,7 +74,11 @@ def decode_request(request_id: str) -> DecodeRequest:
         output=OutputOptions(),
         reply_to="tcp://127.0.0.1:9",
     )
-    return DecodeRequest(request=request, postproc_address="tcp://127.0.0.1:9")
+    return DecodeRequest(
+        request=request.engine_request(),
+        postproc_address="tcp://127.0.0.1:9",
+        postproc_start=pack_postproc_start(request.postproc_start()),
+    )
 
 
 def test_a_failed_engine_step_fails_every_request_then_exits(orchestrator_and_worker) -> None:

@@ -13,6 +13,7 @@ from common.protocol import (
     PrefillDone,
     RequestFailed,
     TokenBatch,
+    unpack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.worker_process import EngineFault
@@ -119,7 +120,7 @@ def test_a_first_token_that_ends_every_choice_goes_to_the_postproc_worker(worker
     assert done.block_ids == [] and done.lease_s == 0.0 and not worker.leases
     (batch,) = sent(out, POSTPROC)
     assert isinstance(batch, TokenBatch)
-    assert [r.request_id for r in batch.first] == ["cmpl-one"]
+    assert [unpack_postproc_start(s).request_id for s in batch.starts] == ["cmpl-one"]
     assert [(d.finish_reason, d.times) for d in batch.deltas] == [("length", done.times)]
     assert [m for _, m in out].index(batch) < [m for _, m in out].index(done)  # tokens first
 

@@ -24,6 +24,7 @@ from common.protocol import (
     RequestFailed,
     RequestFinished,
     TokenBatch,
+    pack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
@@ -148,8 +149,9 @@ def test_a_request_lives_prefill_to_frames_without_sockets(make_pair, engines, t
     expected = reference_tokens(engines[2], PROMPT, GREEDY)
     assert tokens_out(out) == expected
     first_batch = batches(out)[0]
-    assert first_batch.first == [request]  # the postproc worker hears of it once, first
-    assert all(batch.first == [] for batch in batches(out)[1:])
+    # the postproc worker hears of it once, first, as the orchestrator packed it
+    assert first_batch.starts == [pack_postproc_start(request.postproc_start())]
+    assert all(batch.starts == [] for batch in batches(out)[1:])
     finished = only(sent(out), RequestFinished)
     assert isinstance(finished, RequestFinished)
     assert finished.finish_reason == "length" and finished.num_output_tokens == len(expected)

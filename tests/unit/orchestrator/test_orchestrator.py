@@ -35,6 +35,7 @@ from common.protocol import (
     RequestFinished,
     TokenDelta,
     encode_token_ids,
+    unpack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
@@ -123,6 +124,18 @@ def test_version_mismatch_is_refused_with_both_versions_named() -> None:
     _, reply = only(orch.handle(b"gen-0", message, 0.0))
     assert isinstance(reply, Refused)
     assert "99" in reply.reason and str(PROTOCOL_VERSION) in reply.reason
+    assert not orch.registry.workers
+
+
+def test_a_worker_of_the_previous_protocol_is_refused() -> None:
+    """9 ends a prompt list's streams in the frontend: a version-8 postproc worker would drop
+    OutputOptions.fanned_out unread and end each prompt's stream with its own [DONE], so a
+    mixed deployment must fail at registration instead."""
+    assert PROTOCOL_VERSION == 9
+    orch = Orchestrator(parse_cluster_config(""))
+    old = Register(worker_id="pp-0", role="postproc", protocol_version=8, pid=1)
+    _, reply = only(orch.handle(b"pp-0", old, 0.0))
+    assert isinstance(reply, Refused) and "8" in reply.reason
     assert not orch.registry.workers
 
 
@@ -330,6 +343,21 @@ def test_disaggregated_request_goes_prefill_then_decode_then_ends() -> None:
     assert orch.handle(b"gen-0", finished, 0.0) == []
     assert not orch.requests
     assert orch.registry.workers["gen-0"].active_tokens == 0
+
+
+def test_the_request_is_split_once_into_the_engines_part_and_the_postprocs() -> None:
+    """Engine workers get what they read; the postproc worker's part rides, packed once, the
+    prefill and then the decode request, for the engine worker to forward with the tokens."""
+    orch = cluster()
+    request = generate()
+    request.output = OutputOptions(kind="chat", stop=["###"], skip_special_tokens=False)
+    _, prefill = only(orch.handle(FRONTEND, request, 0.0))
+    assert isinstance(prefill, PrefillRequest)
+    assert prefill.request == request.engine_request()
+    assert unpack_postproc_start(prefill.postproc_start) == request.postproc_start()
+    _, decode = only(orch.handle(b"ctx-0", prefill_done(), 0.0))
+    assert isinstance(decode, DecodeRequest)
+    assert decode.request is prefill.request and decode.postproc_start is prefill.postproc_start
 
 
 def test_the_decode_request_carries_the_time_to_first_token_and_the_lease_as_durations() -> None:

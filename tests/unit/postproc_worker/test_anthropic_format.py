@@ -14,6 +14,7 @@ import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
+from common.parser_choice import ParserState
 from common.protocol import (
     GenerateRequest,
     OutputOptions,
@@ -21,6 +22,8 @@ from common.protocol import (
     decode,
     encode,
     encode_token_ids,
+    pack_postproc_start,
+    unpack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -44,14 +47,14 @@ def make_state(
     *,
     stream: bool,
     stop: Sequence[str] = (),
-    parser_state: dict[str, object] | None = None,
+    parser_state: ParserState | None = None,
 ) -> RequestState:
     output = OutputOptions(
         kind="anthropic",
         model=MODEL,
         stream=stream,
         stop=list(stop),
-        parser_state=parser_state or {},
+        parser_state=parser_state,
     )
     request = GenerateRequest(
         request_id=MESSAGE_ID,
@@ -60,9 +63,12 @@ def make_state(
         output=output,
         reply_to="tcp://127.0.0.1:5999",
     )
-    wired = decode(encode(request))  # as the postproc worker receives it
+    wired = decode(encode(request))  # as the orchestrator receives it
     assert isinstance(wired, GenerateRequest) and wired.output.kind == "anthropic"
-    return RequestState(wired, tokenizer)
+    # and the postproc worker its part, through an engine worker
+    return RequestState(
+        unpack_postproc_start(pack_postproc_start(wired.postproc_start())), tokenizer
+    )
 
 
 def deltas(
@@ -268,7 +274,7 @@ def test_abort_ends_the_stream_with_end_turn(tokenizer: Tokenizer) -> None:
 
 # --- thinking and tool_use blocks -----------------------------------------------------------------
 
-PARSERS = {"reasoning_parser": "qwen3", "thinking": True, "tool_parser": "hermes"}
+PARSERS = ParserState(reasoning_parser="qwen3", thinking=True, tool_parser="hermes")
 THOUGHT = "the user wants weather"
 CALLS = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -313,7 +319,7 @@ def test_a_tool_call_cut_by_max_tokens_keeps_its_block_with_empty_input(
     tokenizer: Tokenizer,
 ) -> None:
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
-    state = make_state(tokenizer, stream=False, parser_state={"tool_parser": "hermes"})
+    state = make_state(tokenizer, stream=False, parser_state=ParserState(tool_parser="hermes"))
     whole, _ = feed(state, deltas(tokenizer.encode(cut), finish_reason="length"))
     body = Message.model_validate_json(whole)
     assert [(b.type, b.input) for b in body.content] == [("tool_use", {})]  # type: ignore[union-attr]

@@ -63,7 +63,7 @@ def make_state(
         ),
         reply_to="tcp://127.0.0.1:5999",
     )
-    return RequestState(request, tokenizer)
+    return RequestState(request.postproc_start(), tokenizer)
 
 
 def fake_logprob(position: int) -> float:

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -20,20 +21,25 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from common.parser_choice import (
     REASONING_PARSER_FOR_MODEL_TYPE,
+    REASONING_PARSER_NAMES,
     TOOL_PARSER_FOR_MODEL_TYPE,
+    TOOL_PARSER_NAMES,
+    ParserState,
     tool_parser_for,
 )
 from common.protocol import GenerateRequest, OutputOptions, TokenDelta, encode_token_ids
 from common.sampling_params import SamplingParams
 from common.thinking import resolve_prefilled_thinking
 from common.tokenizer import Tokenizer, load_tokenizer
+from frontend import chat
+from frontend.chat_template import RenderedPrompt
+from frontend.structured import ToolPlan
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.formatter import RequestState
 from postproc_worker.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     ChoiceParsers,
-    ParserState,
     ReasoningParser,
     special_texts,
 )
@@ -272,13 +278,13 @@ def test_resolve_prefilled_thinking(template_text: str, expected: bool | None) -
 
 def test_parser_state_round_trips_and_rejects_bad_values() -> None:
     state = ParserState(reasoning_parser="qwen3", thinking=False, tool_parser="hermes")
-    assert state.to_dict() == {
+    assert msgspec.to_builtins(state) == {
         "reasoning_parser": "qwen3",
         "thinking": False,
         "tool_parser": "hermes",
     }
-    assert ParserState.from_dict(state.to_dict()) == state
-    assert not ParserState.from_dict({"thinking": None}).active
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=ParserState) == state
+    assert not msgspec.convert({"thinking": None}, ParserState).active
     for bad in [
         {"tool_parser": "nope"},
         {"reasoning_parser": "nope"},
@@ -287,7 +293,18 @@ def test_parser_state_round_trips_and_rejects_bad_values() -> None:
         {"tool_parsr": "hermes"},
     ]:
         with pytest.raises(msgspec.ValidationError):
-            ParserState.from_dict(bad)  # type: ignore[arg-type]
+            msgspec.convert(bad, ParserState)
+
+
+def test_parser_state_rejects_an_unknown_parser_when_built() -> None:
+    for bad in [{"tool_parser": "nope"}, {"reasoning_parser": "nope"}, {"in_tool_call": True}]:
+        with pytest.raises(ValueError):
+            ParserState(**bad)  # type: ignore[arg-type]
+
+
+def test_the_parser_registries_hold_exactly_the_names_on_the_wire() -> None:
+    assert set(REASONING_PARSERS) == REASONING_PARSER_NAMES
+    assert set(TOOL_PARSERS) == TOOL_PARSER_NAMES
 
 
 def test_the_frontends_parser_choice_names_parsers_that_exist() -> None:
@@ -322,14 +339,14 @@ PARSED: dict[str, Any] = {
     "content": "Let me check.",
     "calls": [("get_weather", WEATHER), ("get_time", {"tz": "Asia/Tokyo"})],
 }
-PARSER_STATE: dict[str, object] = {"reasoning_parser": "qwen3", "tool_parser": "hermes"}
+PARSER_STATE = ParserState(reasoning_parser="qwen3", tool_parser="hermes")
 
 
 def make_state(
     tokenizer: Tokenizer,
     *,
     stream: bool,
-    parser_state: dict[str, object],
+    parser_state: ParserState | None,
     kind: str = "chat",
     logprobs: int | None = None,
 ) -> RequestState:
@@ -346,7 +363,7 @@ def make_state(
         ),
         reply_to="tcp://127.0.0.1:5999",
     )
-    return RequestState(request, tokenizer)
+    return RequestState(request.postproc_start(), tokenizer)
 
 
 def run(state: RequestState, token_ids: list[int], cut: int | None, finish: str) -> bytes:
@@ -425,16 +442,28 @@ def test_inactive_parser_state_leaves_the_bytes_unchanged(
     tokenizer: Tokenizer, stream: bool
 ) -> None:
     token_ids = [*tokenizer.encode(OUTPUT), tokenizer.eos_token_id]
-    plain = run(make_state(tokenizer, stream=stream, parser_state={}), token_ids, None, "stop")
-    for kind, parser_state in [("chat", {"thinking": True}), ("completion", PARSER_STATE)]:
-        state = make_state(tokenizer, stream=stream, parser_state={}, kind=kind)
+    plain = run(make_state(tokenizer, stream=stream, parser_state=None), token_ids, None, "stop")
+    for kind, parser_state in [("chat", ParserState(thinking=True)), ("completion", PARSER_STATE)]:
+        state = make_state(tokenizer, stream=stream, parser_state=None, kind=kind)
         expected = run(state, token_ids, None, "stop")
         state = make_state(tokenizer, stream=stream, parser_state=parser_state, kind=kind)
         assert run(state, token_ids, None, "stop") == expected
     assert b"reasoning_content" not in plain and b"tool_calls" not in plain
 
 
-def test_invalid_parser_state_fails_the_request_not_the_worker(tokenizer: Tokenizer) -> None:
-    state = make_state(tokenizer, stream=True, parser_state={"tool_parser": "nope"})
-    with pytest.raises(ValueError, match="parser_state"):
-        run(state, tokenizer.encode("hi"), None, "length")
+def test_the_frontend_sends_a_parser_state_only_when_a_parser_applies() -> None:
+    """frontend/chat.py builds the typed state itself: None when no parser would run."""
+    thinking = RenderedPrompt("<|im_start|>assistant\n<think>\n", "")
+    llama: Any = SimpleNamespace(model_type="llama", tool_parser="llama3_json")
+    qwen3: Any = SimpleNamespace(model_type="qwen3", tool_parser="hermes")
+    forced_call = ToolPlan(parse_tools=True, in_tool_call=True)
+    assert chat.parser_state(llama, thinking, ToolPlan()) is None
+    assert chat.parser_state(llama, thinking, forced_call) == ParserState(
+        tool_parser="llama3_json", in_tool_call=True
+    )
+    assert chat.parser_state(qwen3, thinking, ToolPlan()) == ParserState(
+        reasoning_parser="qwen3", thinking=True
+    )
+    assert chat.parser_state(qwen3, thinking, ToolPlan(parse_tools=True)) == ParserState(
+        reasoning_parser="qwen3", thinking=True, tool_parser="hermes"
+    )

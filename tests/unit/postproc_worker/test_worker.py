@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from common.protocol import (
@@ -19,6 +21,7 @@ from common.protocol import (
     TokenBatch,
     TokenDelta,
     encode_token_ids,
+    pack_postproc_start,
 )
 from common.sampling_params import SamplingParams
 from common.tokenizer import load_tokenizer
@@ -35,19 +38,26 @@ def worker(tiny_model_path: Path) -> PostprocWorker:
 
 
 def announce(
-    worker: PostprocWorker, request_id: str, stream: bool = False, stop: list[str] | None = None
+    worker: PostprocWorker,
+    request_id: str,
+    stream: bool = False,
+    stop: list[str] | None = None,
+    **output: Any,
 ) -> Outbox:
-    """The first token of a request, as a generation worker forwards it."""
+    """The first token of a request, as a generation worker forwards it; `output`: more
+    OutputOptions fields. The prompt is 3 tokens, 2 of them cached."""
     request = GenerateRequest(
         request_id=request_id,
         prompt_token_ids_b64=encode_token_ids([5, 6, 7]),
         sampling=SamplingParams(max_tokens=8),
         output=OutputOptions(
-            kind="completion", model="tiny", created=0, stream=stream, stop=stop or []
+            kind="completion", model="tiny", created=0, stream=stream, stop=stop or [], **output
         ),
         reply_to=FRONTEND,
     )
-    return worker.handle(TokenBatch(first=[request], deltas=[TokenDelta(request_id, 0, [72])]), NOW)
+    start = pack_postproc_start(request.postproc_start())
+    first = TokenDelta(request_id, 0, [72], num_prompt_tokens=3, num_cached_tokens=2)
+    return worker.handle(TokenBatch(starts=[start], deltas=[first]), NOW)
 
 
 def chunks(out: Outbox) -> list[Chunk]:
@@ -95,6 +105,37 @@ def test_token_batches_become_sse_frames_then_the_ending(worker) -> None:
     assert worker.requests == {}
 
 
+def test_a_fanned_out_stream_ends_with_numbers_and_no_usage_chunk_or_done(worker) -> None:
+    out = announce(
+        worker, "cmpl-x-1", stream=True, include_usage=True, perf_metrics=True, fanned_out=True
+    )
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-x-1", 0, [73], finish_reason="length")]), NOW
+    )
+    received = chunks(out)
+    assert received[-1].done and b"[DONE]" not in b"".join(c.data for c in received)
+    payloads = [e.removeprefix(b"data: ") for c in received for e in c.data.split(b"\n\n") if e]
+    assert all(json.loads(p)["choices"] for p in payloads)  # no last chunk without choices
+    assert all(json.loads(p)["usage"] is None for p in payloads)  # include_usage's null
+    ending = received[-1]
+    numbers = (ending.prompt_tokens, ending.cached_tokens, ending.completion_tokens)
+    assert numbers == (3, 2, 2) and ending.times is not None
+
+
+def test_a_single_stream_ends_with_its_usage_chunk_and_done(worker) -> None:
+    out = announce(worker, "cmpl-one", stream=True, include_usage=True)
+    out += worker.handle(
+        TokenBatch(deltas=[TokenDelta("cmpl-one", 0, [73], finish_reason="length")]), NOW
+    )
+    received = chunks(out)
+    last, done = received[-1].data.split(b"\n\n")[-3:-1]
+    assert done == b"data: [DONE]"
+    usage = json.loads(last.removeprefix(b"data: "))["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                     "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+    assert received[-1].cached_tokens == 2
+
+
 def test_a_stop_string_ends_the_request_and_aborts_it_upstream(worker) -> None:
     tokenizer = worker.tokenizer
     out = announce(worker, "cmpl-stop", stop=["world"])
@@ -125,3 +166,11 @@ def test_a_draining_worker_waits_for_a_quiet_spell(worker) -> None:
     )
     assert not worker.idle(NOW + 5 + DRAIN_QUIET_S)  # a last batch may still be on its way
     assert worker.idle(NOW + 5 + DRAIN_QUIET_S + 0.01)
+
+
+def test_a_malformed_start_costs_only_its_own_request(worker: PostprocWorker) -> None:
+    bad = msgspec.Raw(msgspec.msgpack.encode({"request_id": "cmpl-bad"}))  # no reply_to, output
+    batch = TokenBatch(starts=[bad], deltas=[TokenDelta("cmpl-bad", 0, [72])])
+    assert worker.handle(batch, NOW) == [] and not worker.requests
+    announce(worker, "cmpl-good")  # the next request is taken in as ever
+    assert list(worker.requests) == ["cmpl-good"]

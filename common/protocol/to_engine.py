@@ -1,0 +1,95 @@
+"""What engine workers (context, generation) receive: the part of a request they read
+(EngineRequest: the prompt and how to sample it, nothing of its output), wrapped for the
+context worker (PrefillRequest) or the generation worker (DecodeRequest, with the context
+worker's PrefillDone), and the profiler switch.
+
+PrefillDone is sent to the orchestrator, which reads only its id and times and forwards it whole
+in the DecodeRequest: its body is for the generation worker. Profile comes from a frontend and
+is fanned out by the orchestrator; each answer (ProfileDone) is in to_frontend.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from common.block_hash import ExtraKey
+from common.protocol.to_postproc import TokenDelta
+from common.protocol.wire import _Message
+from common.sampling_params import SamplingParams
+from common.stage_times import StageTimes
+
+
+def salt_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
+    """What salts a request's block hashes: a cache_salt keeps tenants' prefixes apart. Engine
+    workers and the orchestrator's router must hash alike, so both read it here."""
+    return (("cache_salt", cache_salt),) if cache_salt else ()
+
+
+class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What an engine worker (context or generation) reads of a request: its prompt and how to
+    sample it. Made by the orchestrator from the GenerateRequest (`engine_request`)."""
+
+    request_id: str
+    prompt_token_ids_b64: str
+    sampling: SamplingParams
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        return salt_extra_keys(self.cache_salt)
+
+
+class PrefillRequest(_Message, tag="prefill"):
+    request: EngineRequest
+    postproc_address: str
+    # A packed PostprocStart, forwarded to the postproc worker only if the first tokens end
+    # the request (else the DecodeRequest brings it to the generation worker)
+    postproc_start: msgspec.Raw
+
+
+class PrefillDone(_Message, tag="prefill_done"):
+    """The context worker's answer: each choice's first token, and the leased blocks (of choice 0)
+    that hold the prompt's KV, readable through NIXL agent `agent_name`.
+
+    When every choice already finished with its first token, `block_ids` is empty, nothing is
+    leased, and the context worker has sent the tokens to the postproc worker itself.
+    """
+
+    request_id: str
+    worker_id: str
+    agent_name: str
+    first: list[TokenDelta]  # one per choice, index order
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    # How long the blocks stay leased, counted from when this was sent: a duration, since the
+    # context and generation workers' clocks need not agree (the orchestrator forwards at once;
+    # the reader counts it from a moment before this reached it: generation_worker/arrival.py).
+    # 0: nothing leased.
+    lease_s: float = 0.0
+    # the stages up to the first token
+    times: StageTimes = msgspec.field(default_factory=StageTimes)
+
+    @property
+    def finished(self) -> bool:
+        return all(d.finish_reason is not None for d in self.first)
+
+
+class DecodeRequest(_Message, tag="decode"):
+    request: EngineRequest
+    postproc_address: str
+    postproc_start: msgspec.Raw  # a packed PostprocStart, forwarded with the first tokens
+    prefill: PrefillDone | None = None  # None: the generation worker prefills itself
+
+
+# The orchestrator's wait for every worker's answer: a stop answers once the trace and table are
+# written, which takes about a minute per 1000 steps recorded (engine/profiling.py)
+PROFILE_ANSWER_TIMEOUT_S = 600.0
+
+
+class Profile(_Message, tag="profile"):
+    """POST /start_profile or /stop_profile: the torch profiler around every engine worker's
+    steps (engine/profiling.py)."""
+
+    action: Literal["start", "stop"]
