@@ -38,6 +38,27 @@ enum { P = 16, MR = 6, ROW_BLOCK = 48 };
 #endif
 #define PREFETCH_K 64
 
+/* A row block's last n < MR rows as one call of ROWS(r) with r a constant, so that each row
+ * count gets its own fully unrolled copy of the kernel. */
+#ifdef __AVX512VL__
+#define LAST_ROWS(n, ROWS)                                              \
+    switch (n) {                                                        \
+        case 11: ROWS(11); break; case 10: ROWS(10); break;             \
+        case 9: ROWS(9); break; case 8: ROWS(8); break;                 \
+        case 7: ROWS(7); break; case 6: ROWS(6); break;                 \
+        case 5: ROWS(5); break; case 4: ROWS(4); break;                 \
+        case 3: ROWS(3); break; case 2: ROWS(2); break;                 \
+        case 1: ROWS(1); break;                                         \
+    }
+#else
+#define LAST_ROWS(n, ROWS)                                              \
+    switch (n) {                                                        \
+        case 5: ROWS(5); break; case 4: ROWS(4); break;                 \
+        case 3: ROWS(3); break; case 2: ROWS(2); break;                 \
+        case 1: ROWS(1); break;                                         \
+    }
+#endif
+
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
@@ -147,21 +168,9 @@ static inline __attribute__((always_inline)) void one_panel(
         panel_rows(x + m * K, K, panel, dtype, out + m * N + n, N, ncols, b, MR);
     const float *xm = x + m * K;
     float *om = out + m * N + n;
-    switch (m_end - m) {
-#ifdef __AVX512VL__
-        case 11: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 11); break;
-        case 10: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 10); break;
-        case 9: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 9); break;
-        case 8: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 8); break;
-        case 7: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 7); break;
-        case 6: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 6); break;
-#endif
-        case 5: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 5); break;
-        case 4: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 4); break;
-        case 3: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 3); break;
-        case 2: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 2); break;
-        case 1: panel_rows(xm, K, panel, dtype, om, N, ncols, b, 1); break;
-    }
+#define PANEL_ROWS(r) panel_rows(xm, K, panel, dtype, om, N, ncols, b, r)
+    LAST_ROWS(m_end - m, PANEL_ROWS)
+#undef PANEL_ROWS
 }
 
 /* x: (M, K) float32; panels as above, of dtype; bias: (N,) float32 or NULL; out: (M, N) float32. */
@@ -247,19 +256,9 @@ void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, fl
                 pair_rows(x + m * K, K, panel, out + m * N + n, N, ncols, b, MR);
             const uint16_t *xm = x + m * K;
             float *om = out + m * N + n;
-            switch (m_end - m) {
-                case 11: pair_rows(xm, K, panel, om, N, ncols, b, 11); break;
-                case 10: pair_rows(xm, K, panel, om, N, ncols, b, 10); break;
-                case 9: pair_rows(xm, K, panel, om, N, ncols, b, 9); break;
-                case 8: pair_rows(xm, K, panel, om, N, ncols, b, 8); break;
-                case 7: pair_rows(xm, K, panel, om, N, ncols, b, 7); break;
-                case 6: pair_rows(xm, K, panel, om, N, ncols, b, 6); break;
-                case 5: pair_rows(xm, K, panel, om, N, ncols, b, 5); break;
-                case 4: pair_rows(xm, K, panel, om, N, ncols, b, 4); break;
-                case 3: pair_rows(xm, K, panel, om, N, ncols, b, 3); break;
-                case 2: pair_rows(xm, K, panel, om, N, ncols, b, 2); break;
-                case 1: pair_rows(xm, K, panel, om, N, ncols, b, 1); break;
-            }
+#define PAIR_ROWS(r) pair_rows(xm, K, panel, om, N, ncols, b, r)
+            LAST_ROWS(m_end - m, PAIR_ROWS)
+#undef PAIR_ROWS
         }
     }
 }
