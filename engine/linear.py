@@ -42,15 +42,15 @@ PACKING_ROWS = 8  # the batch size oneDNN picks its blocking for; any row count 
 
 class Linear(nn.Linear):
     layout: Layout = "plain"
-    # beside "onednn": (panels, float32 bias) for the C decode step (the module docstring)
-    decode_panels: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # beside "onednn": (pairs or panels, float32 bias) for the C decode step (module docstring)
+    decode_copy: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def pack(self, layout: Layout, keep_panels: bool = False) -> None:
+    def pack(self, layout: Layout, keep_decode_copy: bool = False) -> None:
         """Replace the weight with its copy in `layout` (see the module docstring)."""
         weight = self.weight.detach()
-        if keep_panels and layout == "onednn":
+        if keep_decode_copy and layout == "onednn":
             bias = None if self.bias is None else self.bias.detach().float()
-            self.decode_panels = (_decode_copy(weight), bias)
+            self.decode_copy = (_decode_copy(weight), bias)
         if layout == "panels":
             packed = cpu_kernels.pack_panels(weight)
             if self.bias is not None:  # the kernel adds a float32 bias
@@ -65,11 +65,12 @@ class Linear(nn.Linear):
         self.register_buffer("weight", packed, persistent=False)
         self.layout = layout
 
-    def panel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The weight in panels and the float32 bias, where the layer has them."""
+    def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """What the C decode step reads, the weight (panels or pairs) and the float32 bias,
+        where the layer has them."""
         if self.layout == "panels":
             return self.weight, self.bias
-        return self.decode_panels
+        return self.decode_copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "plain":
@@ -107,10 +108,10 @@ def choose_layout(device: str, dtype: torch.dtype) -> Layout:
     return "onednn" if onednn_runs else "plain"
 
 
-def pack_linear_layers(model: nn.Module, layout: Layout, decode_panels: bool = False) -> None:
-    """`decode_panels`: beside "onednn", a copy in panels of every layer but the LM head (which
-    the C decode step leaves to torch)."""
+def pack_linear_layers(model: nn.Module, layout: Layout, decode_copy: bool = False) -> None:
+    """`decode_copy`: beside "onednn", the C decode step's copy of every layer but the LM head
+    (which the C step leaves to torch)."""
     head = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(layout, keep_panels=decode_panels and module is not head)
+            module.pack(layout, keep_decode_copy=decode_copy and module is not head)

@@ -86,9 +86,9 @@ class LLMEngine:
             config.device
         )
         layout = choose_layout(config.device, config.torch_dtype)
-        # beside oneDNN (bfloat16), a copy in panels for the C decode step's small batches
-        decode_panels = layout == "onednn" and cpu_kernels.library() is not None
-        pack_linear_layers(self.model, layout, decode_panels)
+        # beside oneDNN (bfloat16), the C decode step's own copy of the weights (linear.py)
+        decode_copy = layout == "onednn" and cpu_kernels.library() is not None
+        pack_linear_layers(self.model, layout, decode_copy)
         norm_weight = self.model.model.norm.weight  # the model's dtype and device
         if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(norm_weight):
             use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path

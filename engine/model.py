@@ -292,8 +292,8 @@ class CausalLM(nn.Module):
         table = (cpu_kernels.DecodeLayer * len(self.model.layers))()
         for entry, layer, (k, v) in zip(table, self.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = _panels(attn.qkv_proj), _panels(attn.o_proj)
-            gate_up, down = _panels(mlp.gate_up_proj), _panels(mlp.down_proj)
+            qkv, o = _decode_tensors(attn.qkv_proj), _decode_tensors(attn.o_proj)
+            gate_up, down = _decode_tensors(mlp.gate_up_proj), _decode_tensors(mlp.down_proj)
             entry.qkv, entry.qkv_bias = address(qkv[0]), address(qkv[1])
             entry.o, entry.gate_up, entry.down = (
                 address(o[0]),
@@ -318,9 +318,9 @@ def use_cpu_kernels(model: CausalLM) -> None:
             module.fused = True
 
 
-def _panels(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    tensors = linear.panel_tensors()
-    assert tensors is not None, "use_c_decode_step checked that every layer has panels"
+def _decode_tensors(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tensors = linear.decode_tensors()
+    assert tensors is not None, "use_c_decode_step checked that every layer has them"
     return tensors
 
 
@@ -334,7 +334,7 @@ def use_c_decode_step(model: CausalLM) -> bool:
     every layer's weights in panels, or a copy beside oneDNN's (in bfloat16 pairs: any batch;
     in panels: small batches only), the C norms and rotary on, no per-head norms (Qwen3)."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    copies = [m.decode_panels[0] for m in layers if m.decode_panels is not None]
+    copies = [m.decode_copy[0] for m in layers if m.decode_copy is not None]
     model.c_decode_pairs = len(copies) == len(layers) and all(t.dim() == 4 for t in copies)
     if all(m.layout == "panels" for m in layers) or model.c_decode_pairs:
         max_rows = 1 << 30

@@ -245,7 +245,7 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
         for p in model.parameters():
             p.normal_(0, 0.3)
     model = model.to(dtype)
-    pack_linear_layers(model, layout, decode_panels=layout == "onednn")  # type: ignore[arg-type]
+    pack_linear_layers(model, layout, decode_copy=layout == "onednn")  # type: ignore[arg-type]
     use_cpu_kernels(model)
     assert use_c_decode_step(model)
     lens = [5, 17, 30]  # tokens already cached per sequence; each decodes one more
