@@ -95,34 +95,41 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict]]:
 
 
 def test_zmq_subscriber_decodes_event_batches_and_sequences_have_no_gaps(cluster) -> None:
-    gen0 = next(w for w in cluster.info().workers if w.worker_id == "gen-0")
+    # The router may send the prompt to either generation worker (ties break at random), so
+    # listen to both and check the one that stored it.
+    gens = {w.worker_id: w for w in cluster.info().workers if w.role == "generation"}
     context = cluster.insider_context()  # KV events are internal sockets: CURVE like the rest
-    sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(gen0.events_address)
+    subs = {worker_id: context.socket(zmq.SUB) for worker_id in gens}
+    for worker_id, sub in subs.items():
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(gens[worker_id].events_address)
     time.sleep(0.5)  # a SUB socket misses what is published before it joins
     try:
-        seen: list[tuple[int, list[dict]]] = []
-        for attempt in range(
-            6
-        ):  # the router may send a prompt to gen-1; vary it until gen-0 stores
-            complete(cluster, f"{attempt} " + LONG_PREFIX + "Subscriber test.")
+        complete(cluster, "Subscriber test. " + LONG_PREFIX)
+        seen: dict[str, list[tuple[int, list[dict]]]] = {worker_id: [] for worker_id in subs}
+        for worker_id, sub in subs.items():
             while sub.poll(2000):
                 topic, seq, payload = sub.recv_multipart()
                 assert len(seq) == 8
-                seen.append((int.from_bytes(seq, "big"), decode_batch(payload)[1]))
-            if any(e["type"] == "BlockStored" for _, events in seen for e in events):
-                break
-        stored = [e for _, events in seen for e in events if e["type"] == "BlockStored"]
-        assert stored and all(isinstance(h, int) for h in stored[0]["block_hashes"])
+                seen[worker_id].append((int.from_bytes(seq, "big"), decode_batch(payload)[1]))
+        holders = [
+            worker_id
+            for worker_id, batches in seen.items()
+            if any(e["type"] == "BlockStored" for _, events in batches for e in events)
+        ]
+        assert len(holders) == 1, seen  # the one worker the prompt went to
+        holder = holders[0]
+        stored = [e for _, events in seen[holder] for e in events if e["type"] == "BlockStored"]
+        assert all(isinstance(h, int) for h in stored[0]["block_hashes"])
         assert stored[0]["block_size"] == 16 and len(stored[0]["token_ids"]) % 16 == 0
-        seqs = [s for s, _ in seen]
+        seqs = [s for s, _ in seen[holder]]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive: no gap
-        replayed = replay(context, gen0.events_address, cluster, start=0)
+        replayed = replay(context, gens[holder].events_address, cluster, start=0)
         assert [s for s, _ in replayed] == list(range(len(replayed)))  # from 0, gap-free
-        assert replayed[-len(seen) :] == [(s, p) for s, p in replayed if s >= seqs[0]][: len(seen)]
+        assert replayed[-len(seqs) :] == [(s, p) for s, p in replayed if s >= seqs[0]][: len(seqs)]
     finally:
-        sub.close()
+        for sub in subs.values():
+            sub.close()
         context.term()
 
 
