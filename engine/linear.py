@@ -115,3 +115,11 @@ def pack_linear_layers(model: nn.Module, layout: Layout, decode_copy: bool = Fal
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(layout, keep_decode_copy=decode_copy and module is not head)
+
+
+def drop_decode_copies(model: nn.Module) -> None:
+    """Free the C decode step's copies where the step will not run (a Qwen3 model, the torch
+    attention backend): nothing else reads them."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.decode_copy = None

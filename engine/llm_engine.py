@@ -25,7 +25,7 @@ from engine.guided import GrammarCompiler
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from engine.linear import choose_layout, pack_linear_layers
+from engine.linear import choose_layout, drop_decode_copies, pack_linear_layers
 from engine.model import load_model, use_c_decode_step, use_cpu_kernels
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
@@ -99,8 +99,9 @@ class LLMEngine:
             config.torch_dtype,
             config.device,
         )
-        if cpu_kernels.supports(self.kv_cache.layers[0][0]) and self.model.model.norm.fused:
-            use_c_decode_step(self.model)  # decode-only steps as one C call (model.py)
+        # decode-only steps as one C call (model.py); where it cannot run, its copy goes
+        if not (cpu_kernels.supports(self.kv_cache.layers[0][0]) and use_c_decode_step(self.model)):
+            drop_decode_copies(self.model)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

@@ -25,6 +25,8 @@
  * and out are float32; the caller converts). Written with GCC vector extensions, so it builds
  * for whatever -march=native offers (AVX2 + FMA here) without intrinsics.
  */
+#include <stdlib.h>
+
 #include "cpu_dtypes.h"
 
 /* MR rows share each weight load; their accumulators (two vectors a row) must fit the vector
@@ -265,8 +267,10 @@ void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, fl
 #else
 int bf16_pairs_available(void) { return 0; }
 
+/* Never called where bf16_pairs_available() says 0 (engine/linear.py packs no pairs there). */
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads) {
     (void)x, (void)pairs, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    abort();
 }
 #endif
