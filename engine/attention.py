@@ -1,8 +1,9 @@
 """Attention dispatch: the one place that picks the Triton kernels or the torch path.
 
-"auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_kernels.c: decode
-attention and KV stores reading the paged cache in place) where they built, else the torch path
-(kernels/torch_paged.py, the reference's maths arranged for a CPU; prefill always takes it).
+"auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_kernels.c:
+attention and KV stores reading the paged cache in place; prefill runs each new token as a
+decode query over its prefix) where they built, else the torch path (kernels/torch_paged.py,
+the reference's maths arranged for a CPU).
 "torch", "cpu" and "triton" force one path (the engine config passes the choice down; nothing
 here reads the environment). Forcing "triton" on CPU tensors works only under the Triton
 interpreter (TRITON_INTERPRET=1); the tests drive it so.
@@ -86,6 +87,11 @@ def prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
             sliding_window, soft_cap,
         )  # fmt: skip
+    if _use_cpu_kernels(backend, k_cache):
+        return cpu_kernels.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            sliding_window, soft_cap,
+        )  # fmt: skip
     return torch_paged.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
         sliding_window, soft_cap,
@@ -125,7 +131,8 @@ def _use_cpu_kernels(backend: AttentionBackend, cache: torch.Tensor) -> bool:
     if backend == "cpu":
         if not cpu_kernels.supports(cache):
             raise RuntimeError(
-                "attention backend 'cpu' needs a float32 or bfloat16 CPU cache and a C compiler"
+                "attention backend 'cpu' needs a float32 or bfloat16 CPU cache, a head size "
+                "that is a multiple of 8, and a C compiler"
             )
         return True
     return backend == "auto" and cpu_kernels.supports(cache)

@@ -177,6 +177,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False  # silu(gate) * up as the C kernel (kernels/cpu_kernels.c), set by use_cpu_kernels
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -185,6 +187,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -311,10 +315,11 @@ class CausalLM(nn.Module):
 
 
 def use_cpu_kernels(model: CausalLM) -> None:
-    """Run the norms and the rotary embedding as the C kernels (CPU, float32 / bfloat16, where
-    the kernels built; see kernels/cpu_kernels.py): same maths, one pass each."""
+    """Run the norms, the rotary embedding and the MLP's activation as the C kernels (CPU,
+    float32 / bfloat16, where the kernels built; see kernels/cpu_kernels.py): same maths, one
+    pass each."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
             module.fused = True
 
 

@@ -4,11 +4,10 @@
  * matmuls, rotary, KV store, attention, the activation, and the views between them); with one
  * row per sequence each call's own cost is most of its time: a one-token step took 85 ms in
  * Python and 53 ms here, on this project's AVX2 host. The same kernels run in the same order
- * (rms_norm, rope, store_kv and paged_decode from cpu_kernels.c, panel_linear from
+ * (rms_norm, rope, store_kv, paged_decode and silu_mul from cpu_kernels.c, panel_linear from
  * cpu_linear.c), rounding to bfloat16 wherever the Python path's tensors do, so the result is
- * the Python path's but for the activation (silu by libm's expf instead of torch's vectorised
- * exp: about one unit in the last place of float32). Prefill chunks and Qwen3's per-head norms
- * keep the Python path (engine/model.py).
+ * the Python path's. Prefill chunks and Qwen3's per-head norms keep the Python path
+ * (engine/model.py).
  *
  * Per layer, on M decode rows (one per sequence):
  *   h = norm(residual += y)         (the first layer: residual = x, h = norm(x))
@@ -39,6 +38,7 @@ void panel_linear(const float *x, const void *panels, int dtype, const float *bi
                   int64_t M, int64_t N, int64_t K, int threads);
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads);
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype);
 
 /* One layer's tensors (model.py's DecoderLayer), as cpu_kernels.DecodeLayer fills them. */
 typedef struct {
@@ -116,18 +116,6 @@ static void linear(const void *in, const void *panels, const float *bias, void *
         for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = to_bf16(o[i]);
 }
 
-/* torch's silu(gate) * up, each op rounded to the dtype. */
-static void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t gate = r * 2 * inter, up = gate + inter;
-        for (int64_t j = 0; j < inter; j++) {
-            float g = get(gate_up, gate + j, dtype);
-            float silu = held(g / (1.0f + expf(-g)), dtype);
-            put(out, r * inter + j, silu * get(gate_up, up + j, dtype), dtype);
-        }
-    }
-}
-
 /* Rotate q and k, store k and v at their slots, attend: b->attn (M, num_heads * d). */
 static int attention(const DecodeLayer *L, const DecodeShape *s, const Buffers *b, int64_t M,
                      const int64_t *positions, const int64_t *slots, const int32_t *tables,
@@ -174,7 +162,7 @@ int decode_step(const DecodeLayer *layers, int64_t num_layers, const DecodeShape
         linear(b.attn, L->o, NULL, b.y, M, H, q_len, s, &b);
         rms_norm(b.y, b.residual, L->post_norm, b.h, M, H, s->eps, s->dtype);
         linear(b.h, L->gate_up, NULL, b.gate_up, M, 2 * I, H, s, &b);
-        silu_and_mul(b.gate_up, b.act, M, I, s->dtype);
+        silu_mul(b.gate_up, b.act, M, I, s->dtype);
         linear(b.act, L->down, NULL, b.y, M, H, I, s, &b);
     }
     rms_norm(b.y, b.residual, final_norm, x, M, H, s->eps, s->dtype);

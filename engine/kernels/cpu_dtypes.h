@@ -37,4 +37,29 @@ static inline void put(void *p, int64_t i, float f, int dtype) {
     else
         ((uint16_t *)p)[i] = to_bf16(f);
 }
+
+/* Eight float32 lanes in GCC's vector extensions: one AVX register (half of an AVX-512 one),
+ * or two SSE ones where that is all the host has; the kernels build for any -march=native. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f splat(float s) { return (v8f){s, s, s, s, s, s, s, s}; }
+
+/* Eight values from element `at` of p, as float32 (bfloat16 is a float32's high half). */
+static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t at,
+                                                       const int dtype) {
+    if (dtype == F32) {
+        v8f v;
+        memcpy(&v, (const float *)p + at, sizeof v);
+        return v;
+    }
+    v8u16 h;
+    memcpy(&h, (const uint16_t *)p + at, sizeof h);
+    v8u32 bits = __builtin_convertvector(h, v8u32) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
 #endif

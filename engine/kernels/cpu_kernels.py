@@ -1,6 +1,6 @@
-"""The CPU path's C kernels (cpu_kernels.c), built once per machine: paged decode attention and
-KV stores, RMSNorm with its residual add, rotary embedding; and the linear layers' panel matmul
-(cpu_linear.c, see engine/linear.py).
+"""The CPU path's C kernels (cpu_kernels.c), built once per machine: paged attention (decode, and
+prefill as decode queries) and KV stores, RMSNorm with its residual add, rotary embedding, the
+MLP's SiLU-and-product; and the linear layers' panel matmul (cpu_linear.c, see engine/linear.py).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
@@ -10,7 +10,8 @@ into ~/.cache/pdcluster/kernels, keyed by the source, the flags and the CPU's fe
 (`-march=native`), and loaded with ctypes. Where no compiler is found or the build fails,
 `library()` is None and the model takes the torch path (logged once). The norm and rotary
 kernels replace 6 and 16 small torch operations per call: ~2 ms of a one-token step of
-SmolLM2's 30 layers.
+SmolLM2's 30 layers. In a prefill the activation's one pass replaces torch's silu and product
+and their two intermediate tensors (8 x 191 tokens of SmolLM2: ~95-160 ms against 120-220).
 
 Compiled with reassociation allowed (so the dot products vectorize) but not -ffast-math, which
 would set flush-to-zero for the whole process.
@@ -53,6 +54,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "store_kv": (None, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int]),
     "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
+    "silu_mul": (None, [_p, _p, _i64, _i64, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
@@ -80,8 +82,9 @@ def runs(x: torch.Tensor) -> bool:
 
 
 def supports(cache: torch.Tensor) -> bool:
-    """The attention and store kernels read this cache: as `runs`, and each block contiguous."""
-    return runs(cache) and cache[0].is_contiguous()
+    """The attention and store kernels read this cache: as `runs`, each block contiguous, and a
+    head size that is a multiple of 8 (the attention reads eight values at a time)."""
+    return runs(cache) and cache[0].is_contiguous() and cache.shape[-1] % 8 == 0
 
 
 def paged_decode_attention(
@@ -113,6 +116,43 @@ def paged_decode_attention(
     if status != 0:
         raise MemoryError("paged decode attention: no memory for the scores")
     return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.paged_prefill_attention_ref: q's shape. Each new token is
+    attended as a decode query over its own prefix, so the causal mask is each query's length
+    and no masked score is computed (a 192-token chunk of SmolLM2: 0.24 s for 8 x 30 layers
+    against the torch path's 0.42). A sequence's keys and values are read from L2 by every one
+    of its queries; a bfloat16 cache is widened once per sequence first, not once per query."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, total in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        if start == end:
+            continue  # an empty chunk
+        num_blocks = -(-total // block_size)
+        k, v, table = k_cache, v_cache, block_tables[b, :num_blocks]
+        if k_cache.dtype != torch.float32:
+            k, v = k.index_select(0, table).float(), v.index_select(0, table).float()
+            table = torch.arange(num_blocks, dtype=torch.int32)
+        queries = end - start
+        own_lens = torch.arange(total - queries + 1, total + 1, dtype=torch.int32)
+        out[start:end] = paged_decode_attention(
+            q[start:end], k, v, table.expand(queries, -1), own_lens, scale, sliding_window,
+            soft_cap,
+        )  # fmt: skip
+    return out
 
 
 def store_kv(
@@ -149,6 +189,21 @@ def rms_norm(
         "rms_norm",
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
         out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPE_CODES[x.dtype],
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up (..., 2 * inter), the gate's values first: one pass instead of
+    torch's silu, split and product (and their two intermediate tensors)."""
+    lib = library()
+    assert lib is not None and gate_up.dtype in DTYPE_CODES
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    _run(
+        "silu_mul", gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+        DTYPE_CODES[gate_up.dtype],
     )  # fmt: skip
     return out
 

@@ -61,28 +61,6 @@ enum { P = 16, MR = 6, ROW_BLOCK = 48 };
     }
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-static inline v8f splat(float s) { return (v8f){s, s, s, s, s, s, s, s}; }
-
-/* Eight weights from element `at` of a panel, as float32 (bfloat16 is a float32's high half). */
-static inline __attribute__((always_inline)) v8f load8(const void *panel, int64_t at,
-                                                       const int dtype) {
-    if (dtype == F32) {
-        v8f v;
-        memcpy(&v, (const float *)panel + at, sizeof v);
-        return v;
-    }
-    v8u16 h;
-    memcpy(&h, (const uint16_t *)panel + at, sizeof h);
-    v8u32 bits = __builtin_convertvector(h, v8u32) << 16;
-    v8f v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 static inline void store_row(const v8f lo, const v8f hi, float *out, int64_t ncols,
                              const float *bias) {
     float row[P];

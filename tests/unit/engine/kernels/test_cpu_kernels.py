@@ -14,7 +14,11 @@ import torch
 from common.sampling_params import SamplingParams
 from engine import attention
 from engine.kernels import cpu_kernels, torch_paged
-from engine.kernels.reference import paged_decode_attention_ref, store_kv_ref
+from engine.kernels.reference import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
 from engine.llm import LLM
 from engine.model import RMSNorm, RotaryEmbedding
 from engine.model_config import RopeConfig
@@ -50,6 +54,25 @@ def test_decode_matches_reference(
     for window, cap in [(None, None), (20, None), (None, 3.0), (33, 5.0)]:
         expected = paged_decode_attention_ref(*args, sliding_window=window, soft_cap=cap)
         assert_close(cpu_kernels.paged_decode_attention(*args, window, cap), expected)
+
+
+@pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", SHAPES)
+def test_prefill_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Each new token as a decode query over its prefix: fresh prompts, a chunk after a cached
+    prefix, one token, an empty chunk; with a window and a soft cap too."""
+    torch.manual_seed(5)
+    prefix_lens, q_lens = [0, 45, 19, 7], [70, 1, 22, 0]
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = cpu_cache(lens, num_kv_heads, head_dim, block_size, dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = (4 * torch.randn(sum(q_lens), num_heads, head_dim)).to(dtype)
+    args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
+    for window, cap in [(None, None), (16, None), (9, 5.0)]:
+        expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
+        out = attention.prefill_attention(*args, window, cap, backend="cpu")
+        assert_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,6 +122,10 @@ def test_auto_takes_the_c_kernels_on_cpu_and_the_torch_path_where_they_cannot(
     torch.testing.assert_close(out, paged_decode_attention_ref(*half_args), atol=4e-3, rtol=4e-3)
     with pytest.raises(RuntimeError, match="'cpu' needs a float32 or bfloat16"):
         attention.decode_attention(*half_args, backend="cpu")
+    odd = cpu_cache([30, 7], 2, 12, 16, torch.float32)  # the C attention reads 8 values at once
+    assert not cpu_kernels.supports(odd.k)
+    odd_args = (torch.randn(2, 4, 12), odd.k, odd.v, odd.block_tables, odd.context_lens, 0.3)
+    assert_close(attention.decode_attention(*odd_args), paged_decode_attention_ref(*odd_args))
 
 
 def test_without_a_compiler_the_engine_takes_the_torch_path(tmp_path: Path) -> None:
@@ -139,6 +166,22 @@ def test_rms_norm_and_its_residual_add_match_the_torch_module(dtype: torch.dtype
     out, summed = norm.add_and_norm(x, residual.clone())
     assert torch.equal(summed, expected_sum)  # the same rounding of the sum as torch's add
     assert_close(out, expected_after_add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_over_the_whole_float_range(dtype: torch.dtype) -> None:
+    """From values whose exp overflows float32 to ones it flushes to zero, and infinities."""
+    torch.manual_seed(7)
+    gate = torch.cat([20 * torch.randn(500), torch.tensor([-200.0, -90.0, 0.0, 90.0, 200.0])])
+    gate = torch.cat([gate, torch.tensor([float("inf"), float("-inf")])])
+    gate_up = torch.stack([gate, torch.randn(len(gate))]).T.reshape(1, -1)  # interleaved
+    gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1).repeat(3, 1).to(dtype)
+    gate_part, up_part = gate_up.split(len(gate), dim=-1)
+    expected = torch.nn.functional.silu(gate_part) * up_part
+    got = cpu_kernels.silu_mul(gate_up)
+    finite = expected.isfinite()
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert_close(got[finite], expected[finite])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -235,7 +278,7 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
     torch.manual_seed(3)
     config = ModelConfig(
         model_type="qwen2", vocab_size=300, hidden_size=72, intermediate_size=100, num_layers=3,
-        num_heads=6, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-6,
+        num_heads=6, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
         rope=RopeConfig(kind="default", theta=10000.0), max_position_embeddings=256,
         tie_word_embeddings=True, attention_bias=True, qk_norm=False, sliding_window=9,
         eos_token_ids=(0,), torch_dtype="float32",
