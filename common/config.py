@@ -63,16 +63,24 @@ class OrchestratorConfig(_Section, frozen=True):
     drain_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
+# The token budget of one engine step (a prefill chunk plus the batch's decodes) where
+# cluster.yaml leaves it out, by device. A CPU's matmuls run as fast at 512 rows as at 2048, so
+# smaller chunks cost no throughput there and let prompts that arrive together get their first
+# tokens one after another instead of all at the end (SmolLM2, 8 prompts of 128-256 tokens at
+# once, float32: TTFT p50 2.3 s against 3.2-3.8, all done in the same time).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
 class ContextWorkersConfig(_Section, frozen=True):
     count: Positive = 1
     max_num_seqs: Positive = 64
-    max_num_batched_tokens: Positive = 2048
+    max_num_batched_tokens: Positive | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 class GenerationWorkersConfig(_Section, frozen=True):
     count: Positive = 1
     max_num_seqs: Positive = 64
-    max_num_batched_tokens: Positive = 2048
+    max_num_batched_tokens: Positive | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 class PostprocWorkersConfig(_Section, frozen=True):

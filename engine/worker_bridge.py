@@ -9,7 +9,12 @@ import os
 import torch
 import zmq
 
-from common.config import ClusterConfig, ContextWorkersConfig, GenerationWorkersConfig
+from common.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ClusterConfig,
+    ContextWorkersConfig,
+    GenerationWorkersConfig,
+)
 from common.cpu_placement import place_engine
 from common.kv_events import KVEventPublisher
 from common.protocol import KVEvents, TokenDelta, WorkerStats
@@ -20,8 +25,10 @@ from engine.ucx_network import ucx_environment
 
 
 def engine_config(
-    config: ClusterConfig, max_num_seqs: int, max_num_batched_tokens: int
+    config: ClusterConfig, max_num_seqs: int, max_num_batched_tokens: int | None
 ) -> EngineConfig:
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[config.device]
     return EngineConfig(
         model=config.model,
         dtype=config.dtype,
