@@ -22,6 +22,7 @@ from engine.beam_search import BeamGroup
 from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineConfig
 from engine.guided import GrammarCompiler
+from engine.host_memory import keep_freed_memory
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, KVCacheStats
@@ -85,6 +86,8 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
             config.device
         )
+        if config.device == "cpu":
+            keep_freed_memory()  # the next step's activations reuse this one's pages
         layout = choose_layout(config.device, config.torch_dtype)
         # beside oneDNN (bfloat16), the C decode step's own copy of the weights (linear.py)
         decode_copy = layout == "onednn" and cpu_kernels.library() is not None

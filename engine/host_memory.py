@@ -1,0 +1,40 @@
+"""Keep a CPU engine's freed memory for its next step instead of handing it back to the kernel.
+
+Every layer of a prefill chunk allocates its activations afresh (512 tokens of SmolLM2: a 6 MB
+gate/up product, its 3 MB activation, ...). glibc serves allocations above its mmap threshold
+(128 KB at first) with fresh pages from the kernel and unmaps them on free, and trims the heap's
+top beyond 128 KB: either way the next step faults in and zeroes the same megabytes again, a
+page at a time (about a microsecond each in a VM). Raising the mmap threshold to its maximum
+(32 MB on 64-bit glibc) and the trim threshold beyond the engine's working set keeps those
+pages in the process: measured on SmolLM2, the C SiLU-and-product of a 1528-token prefill took
+95 ms instead of 160. vLLM gets the same by preloading tcmalloc. Other C libraries (musl) have
+no mallopt: nothing is changed there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
+TRIM_THRESHOLD = 1 << 30  # beyond any engine step's activations
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's thresholds for this process; False where there is no glibc to ask."""
+    path = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(path)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+    done = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and done
+    if not done:
+        logger.info("mallopt refused the thresholds: freed memory goes back to the kernel")
+    return done
