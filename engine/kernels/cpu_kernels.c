@@ -8,8 +8,8 @@
  * once where it lies, eight tokens at a time for all its query heads (GQA: a KV head's rows
  * serve every query head that shares it), with a two-pass softmax in float32 (scores, then
  * max / exp / sum, then the weighted sum of values): the reference's maths, summed in another
- * order. Prefill uses the same kernel, each new token a query over its own prefix
- * (cpu_kernels.paged_prefill_attention).
+ * order. Prefill takes a sequence's new tokens a tile at a time (paged_prefill, below); with
+ * a sliding window or a soft cap, each new token as a decode query over its own prefix.
  *
  * On SmolLM2, 32 sequences of 250 tokens, 30 layers, one thread (session 15's AVX-512 host):
  * 42 ms in float32 and 36 in bfloat16, where a pass per (sequence, KV head) with a horizontal sum
@@ -250,6 +250,143 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                                     block_size, block_stride, scale, window, soft_cap, scores,
                                     (int64_t *)(scores + num_heads * stride));
             free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* Prefill: a sequence's new tokens attend causally over its cache, the scores and the weighted
+ * sums as small matrix products. For one KV head, its keys are gathered transposed (d x n,
+ * float32) and its values as rows (n x d); TILE rows of (query token, query head) pairs then
+ * take 16 keys at a time (two vectors of scores a row: TILE x 2 accumulators, each key element
+ * loaded once for the whole tile), and 16 output columns at a time over the values. A row's keys
+ * end at its own position: key blocks past the tile's last position are skipped, and within the
+ * rest a row's later keys get probability 0. SmolLM2, 8 prompts of 191 tokens, 30 layers: 0.17 s
+ * in float32 or bfloat16, against 0.25 for a decode query per token (which reloads the keys for
+ * every query) and 0.42 for the torch path. No window or soft cap here (the caller takes the
+ * decode path for those). */
+#ifdef __AVX512VL__
+enum { TILE = 12 }; /* 24 accumulators in AVX-512's 32 registers */
+#else
+enum { TILE = 6 };
+#endif
+
+static inline __attribute__((always_inline)) void prefill_sequence(
+                             const float *q, const void *k_cache, const void *v_cache, const int dtype,
+                             const int32_t *table, int64_t total, int64_t queries, float *out,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                             int64_t block_size, int64_t block_stride, float scale,
+                             float *keys_t, float *values, float *probs) {
+    int64_t group = num_heads / num_kv_heads, padded = (total + 15) / 16 * 16;
+    int64_t first_pos = total - queries, num_rows = queries * group;
+    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+        for (int64_t i = 0; i < padded; i++) {
+            int64_t row = (int64_t)table[i < total ? i / block_size : 0] * block_stride +
+                          ((i % block_size) * num_kv_heads + kvh) * d;
+            for (int64_t c = 0; c < d; c += 8) {
+                v8f k = i < total ? load8(k_cache, row + c, dtype) : splat(0.0f);
+                v8f v = i < total ? load8(v_cache, row + c, dtype) : splat(0.0f);
+                memcpy(values + i * d + c, &v, sizeof v);
+                for (int u = 0; u < 8; u++) keys_t[(c + u) * padded + i] = k[u];
+            }
+        }
+        for (int64_t r0 = 0; r0 < num_rows; r0 += TILE) {
+            /* rows r0 .. r0 + TILE - 1 are (token r / group, head kvh * group + r % group); past
+             * the last row the tile repeats it (computed, never stored) */
+            const float *qrow[TILE];
+            int64_t at[TILE], limit[TILE], keys = 0;
+            for (int t = 0; t < TILE; t++) {
+                int64_t r = r0 + t < num_rows ? r0 + t : num_rows - 1;
+                at[t] = ((r / group) * num_heads + kvh * group + r % group) * d;
+                qrow[t] = q + at[t];
+                limit[t] = first_pos + r / group + 1;
+                keys = limit[t] > keys ? limit[t] : keys;
+            }
+            for (int64_t k0 = 0; k0 < keys; k0 += 16) {
+                v8f acc[TILE][2];
+                for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = splat(0.0f);
+                for (int64_t c = 0; c < d; c++) {
+                    v8f lo = load8(keys_t, c * padded + k0, F32);
+                    v8f hi = load8(keys_t, c * padded + k0 + 8, F32);
+                    for (int t = 0; t < TILE; t++) {
+                        v8f qc = splat(qrow[t][c]);
+                        acc[t][0] += qc * lo;
+                        acc[t][1] += qc * hi;
+                    }
+                }
+                for (int t = 0; t < TILE; t++) {
+                    v8f lo = acc[t][0] * splat(scale), hi = acc[t][1] * splat(scale);
+                    memcpy(probs + t * padded + k0, &lo, sizeof lo);
+                    memcpy(probs + t * padded + k0 + 8, &hi, sizeof hi);
+                }
+            }
+            int64_t blocks_end = (keys + 15) / 16 * 16;
+            for (int t = 0; t < TILE; t++) {
+                float *row = probs + t * padded, peak = -INFINITY, sum = 0.0f;
+                for (int64_t i = 0; i < limit[t]; i++) peak = row[i] > peak ? row[i] : peak;
+                for (int64_t i = 0; i < limit[t]; i++) sum += (row[i] = exp_clamped(row[i] - peak));
+                for (int64_t i = 0; i < limit[t]; i++) row[i] /= sum;
+                for (int64_t i = limit[t]; i < blocks_end; i++) row[i] = 0.0f;
+            }
+            for (int64_t c0 = 0; c0 < d; c0 += 16) {
+                v8f acc[TILE][2];
+                for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = splat(0.0f);
+                for (int64_t i = 0; i < keys; i++) {
+                    v8f lo = load8(values, i * d + c0, F32);
+                    v8f hi = c0 + 8 < d ? load8(values, i * d + c0 + 8, F32) : splat(0.0f);
+                    for (int t = 0; t < TILE; t++) {
+                        v8f p = splat(probs[t * padded + i]);
+                        acc[t][0] += p * lo;
+                        acc[t][1] += p * hi;
+                    }
+                }
+                for (int t = 0; t < TILE && r0 + t < num_rows; t++) {
+                    float *o = out + at[t] + c0;
+                    memcpy(o, &acc[t][0], sizeof(v8f));
+                    if (c0 + 8 < d) memcpy(o + 8, &acc[t][1], sizeof(v8f));
+                }
+            }
+        }
+    }
+}
+
+/* q, out: (num_tokens, num_heads, d) float32, d a multiple of 8, the sequences' new tokens back
+ * to back (cu_seqlens_q: (batch + 1,) int32); context_lens: (batch,) int32, each sequence's
+ * cached prefix plus its new tokens. Returns 0, or -1 when scratch memory could not be had. */
+int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                  const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                  const int32_t *context_lens, float *out, int64_t batch, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t d, int64_t block_size, int64_t block_stride,
+                  int64_t max_blocks, float scale, int threads) {
+    if (d % 8 != 0) abort(); /* cpu_kernels.supports() sends such caches to the torch path */
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++)
+        longest = context_lens[b] > longest ? context_lens[b] : longest;
+    int64_t padded = (longest + 15) / 16 * 16;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * padded * (2 * d + TILE));
+        if (scratch == NULL) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t b = 0; b < batch; b++) {
+                int64_t start = cu_seqlens_q[b], queries = cu_seqlens_q[b + 1] - start;
+                if (queries == 0) continue;
+                int64_t total = context_lens[b], stride = (total + 15) / 16 * 16;
+#define PREFILL_SEQUENCE(DTYPE)                                                                \
+    prefill_sequence(q + start * num_heads * d, k_cache, v_cache, DTYPE,                       \
+                     block_tables + b * max_blocks, total, queries, out + start * num_heads * d, \
+                     num_heads, num_kv_heads, d, block_size, block_stride, scale, scratch,     \
+                     scratch + stride * d, scratch + 2 * stride * d)
+                if (dtype == F32)
+                    PREFILL_SEQUENCE(F32);
+                else
+                    PREFILL_SEQUENCE(BF16);
+#undef PREFILL_SEQUENCE
+            }
+            free(scratch);
         }
     }
     return failed ? -1 : 0;
