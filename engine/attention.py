@@ -1,9 +1,8 @@
 """Attention dispatch: the one place that picks the Triton kernels or the torch path.
 
 "auto" runs Triton on CUDA tensors, and on CPU tensors the C kernels (kernels/cpu_kernels.c:
-attention and KV stores reading the paged cache in place; prefill runs each new token as a
-decode query over its prefix) where they built, else the torch path (kernels/torch_paged.py,
-the reference's maths arranged for a CPU).
+attention and KV stores reading the paged cache in place, prefill included) where they built,
+else the torch path (kernels/torch_paged.py, the reference's maths arranged for a CPU).
 "torch", "cpu" and "triton" force one path (the engine config passes the choice down; nothing
 here reads the environment). Forcing "triton" on CPU tensors works only under the Triton
 interpreter (TRITON_INTERPRET=1); the tests drive it so.

@@ -130,13 +130,14 @@ def write_config(
     keys added to those sections; `orchestrator`: that section's keys but the address."""
     port = free_port()
     frontend = f", {frontend}" if frontend else ""
+    blocks = "" if "num_blocks" in kv_cache else ", num_blocks: 512"  # a test's own, or 512
     kv_cache = f", {kv_cache}" if kv_cache else ""
     path.write_text(
         f"model: {model}\n"
         f"mode: {mode}\n"
         f"frontend: {{host: 127.0.0.1, port: {port}{frontend}}}\n"
         f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", {orchestrator}}}\n'
-        f"kv_cache: {{block_size: 16, num_blocks: 512{kv_cache}}}\n"
+        f"kv_cache: {{block_size: 16{blocks}{kv_cache}}}\n"
         f"postproc_workers: {{count: 2}}\n"
         f"{extra}"
     )

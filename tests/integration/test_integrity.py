@@ -26,8 +26,10 @@ WORKER_TIMEOUT_S = 1.0
 def cluster(start_cluster) -> Cluster:
     return start_cluster(
         "disaggregated",
-        # one step prefills everything queued: a few long prompts make it last seconds
-        extra="context_workers: {max_num_batched_tokens: 16384}\n",
+        # one step prefills everything queued: 24 prompts of 1.5k tokens (36k tokens, room in
+        # the pool for all of them) make it last seconds, twice the timeout on this project's VM
+        extra="context_workers: {max_num_batched_tokens: 40960}\n",
+        kv_cache="num_blocks: 3072",
         orchestrator=f"router: round_robin, worker_timeout_seconds: {WORKER_TIMEOUT_S}, "
         "heartbeat_interval_seconds: 0.2",
     )
@@ -73,7 +75,7 @@ def test_a_context_worker_stopped_past_the_timeout_serves_again(cluster: Cluster
 def test_a_step_longer_than_the_worker_timeout_is_not_death(cluster: Cluster) -> None:
     """Heartbeats come from their own thread: a prefill step of seconds leaves the worker
     alive (its progress age says how long the step has run), and every request succeeds."""
-    prompts = [f"Long prompt number {i}, " + "with many many words " * 300 for i in range(8)]
+    prompts = [f"Long prompt number {i}, " + "with many many words " * 300 for i in range(24)]
     log_start = len(cluster.log_tail(num_chars=None))
     seen_age = 0.0
     with ThreadPoolExecutor(len(prompts)) as pool:
