@@ -90,6 +90,16 @@ def served(cluster: Cluster, role: str) -> dict[str, int]:
     return {w.worker_id: w.generation_tokens for w in cluster.workers(role) if w.state != "dead"}
 
 
+def wait_until_served(cluster: Cluster, load: Load, role: str, worker_ids: list[str],
+                      timeout_s: float = 60.0) -> None:  # fmt: skip
+    """Until each of `worker_ids` has reported sampled tokens: its heartbeat carries its stats,
+    so a worker that served its first requests says so up to a heartbeat later."""
+    deadline = time.monotonic() + timeout_s
+    while not all(served(cluster, role).get(w, 0) > 0 for w in worker_ids):
+        assert time.monotonic() < deadline and not load.errors, (served(cluster, role), load.errors)
+        time.sleep(0.2)
+
+
 def wait_for_load(load: Load, more: int, timeout_s: float = 120.0) -> None:
     target, deadline = load.done + more, time.monotonic() + timeout_s
     while load.done < target and time.monotonic() < deadline and not load.errors:
@@ -115,8 +125,7 @@ def test_generation_scales_1_3_1_under_load_without_a_failed_request(
     scale(cluster, "generation=3")
     assert sorted(served(cluster, "generation")) == ["gen-0", "gen-1", "gen-2"]
     wait_for_load(load, 12)
-    new = served(cluster, "generation")
-    assert new["gen-1"] > 0 and new["gen-2"] > 0, new  # round robin: the new ones serve
+    wait_until_served(cluster, load, "generation", ["gen-1", "gen-2"])  # round robin: both serve
     scale(cluster, "generation=1")
     assert list(served(cluster, "generation")) == ["gen-0"]
     for worker_id in ("gen-1", "gen-2"):
@@ -134,7 +143,7 @@ def test_context_scales_1_2_1_under_load_without_a_failed_request(
     wait_for_load(load, 3)
     scale(cluster, "context=2")
     wait_for_load(load, 10)
-    assert served(cluster, "context")["ctx-1"] > 0
+    wait_until_served(cluster, load, "context", ["ctx-1"])
     scale(cluster, "context=1")
     assert list(served(cluster, "context")) == ["ctx-0"]
     assert drained_exits(cluster, "ctx-1") == ["exited with code 0"]
