@@ -53,18 +53,25 @@ static inline float exp_clamped(float x) {
     return y * scale;
 }
 
+/* Lanes of a and b (b's numbered from 8) picked by constant indices: GCC's builtin, or clang's. */
+#ifdef __clang__
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
 /* Lane j of the result: the sum of the lanes of v[j]. Three rounds of pairing halves, so eight
  * dot products finish together in 21 vector operations instead of eight horizontal sums. */
 static inline __attribute__((always_inline)) v8f sum_lanes8(const v8f v[8]) {
     v8f t[4], u[2];
     for (int i = 0; i < 4; i++) /* [key 2i: 4 partial sums | key 2i+1: 4] */
-        t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], (v8i){0, 1, 2, 3, 8, 9, 10, 11}) +
-               __builtin_shuffle(v[2 * i], v[2 * i + 1], (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+        t[i] = SHUFFLE8(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               SHUFFLE8(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
     for (int i = 0; i < 2; i++) /* [4 keys: 2 partial sums each] */
-        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], (v8i){0, 1, 4, 5, 8, 9, 12, 13}) +
-               __builtin_shuffle(t[2 * i], t[2 * i + 1], (v8i){2, 3, 6, 7, 10, 11, 14, 15});
-    return __builtin_shuffle(u[0], u[1], (v8i){0, 2, 4, 6, 8, 10, 12, 14}) +
-           __builtin_shuffle(u[0], u[1], (v8i){1, 3, 5, 7, 9, 11, 13, 15});
+        u[i] = SHUFFLE8(t[2 * i], t[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               SHUFFLE8(t[2 * i], t[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUFFLE8(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           SHUFFLE8(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 enum { KEYS = 8 };  /* keys scored at once: one sum_lanes8 */
