@@ -1,6 +1,6 @@
-"""The CPU path's C kernels (cpu_kernels.c), built once per machine: paged attention (decode, and
-prefill as decode queries) and KV stores, RMSNorm with its residual add, rotary embedding, the
-MLP's SiLU-and-product; and the linear layers' panel matmul (cpu_linear.c, see engine/linear.py).
+"""The CPU path's C kernels (cpu_kernels.c), built once per machine: paged attention (decode and
+prefill) and KV stores, RMSNorm with its residual add, rotary embedding, the MLP's
+SiLU-and-product; and the linear layers' panel matmul (cpu_linear.c, see engine/linear.py).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
