@@ -20,7 +20,11 @@ from typing import Literal, cast
 import torch
 
 from engine.kernels import cpu_kernels, torch_paged
-from engine.kernels.reference import store_kv_ref
+from engine.kernels.reference import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
 
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 
@@ -35,13 +39,20 @@ def decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     *,
+    sinks: torch.Tensor | None = None,
     backend: AttentionBackend = "auto",
     shared: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context: (batch, num_heads, head_dim).
 
+    `sinks`: (num_heads,) float32 attention-sink logits (gpt-oss), see reference.attend.
     `shared`: a dict the layers of one forward pass share; the torch path keeps its plan there
     (sort and grouping of the sequences, gather indices, masks), made by the first layer."""
+    if sinks is not None:
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap,
+            sinks,
+        )  # fmt: skip
     if _use_triton(backend, q):
         from engine.kernels import decode
 
@@ -75,9 +86,15 @@ def prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     *,
+    sinks: torch.Tensor | None = None,
     backend: AttentionBackend = "auto",
 ) -> torch.Tensor:
     """Packed new tokens over cached prefix + themselves, causal: q's shape."""
+    if sinks is not None:
+        return paged_prefill_attention_ref(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            sliding_window, soft_cap, sinks,
+        )  # fmt: skip
     if _use_triton(backend, q):
         from engine.kernels import prefill
 

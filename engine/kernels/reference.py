@@ -30,11 +30,14 @@ def attend(
     allowed: torch.Tensor,
     scale: float,
     soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention on padded batches.
 
     q: (batch, num_q, num_heads, d); k, v: (batch, num_keys, num_kv_heads, d);
     allowed: (batch, num_q, num_keys) bool. Returns (batch, num_q, num_heads, d).
+    sinks: (num_heads,) logits of one extra key per head with a zero value (gpt-oss's attention
+    sinks): they join each row's softmax, so the row's weights sum to less than one.
     """
     batch, num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -44,7 +47,12 @@ def attend(
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key give zeros
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.nan_to_num(0.0)  # rows with no key give zeros
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
     return out.reshape(batch, num_q, num_heads, head_dim).to(q.dtype)
 
@@ -71,6 +79,7 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, at position context_lens - 1.
 
@@ -82,7 +91,7 @@ def paged_decode_attention_ref(
     v = gather_kv(v_cache, block_tables, max_len)
     query_pos = (context_lens.long() - 1)[:, None]  # (batch, 1)
     allowed = key_mask(query_pos, context_lens.long(), max_len, sliding_window)
-    return attend(q[:, None], k, v, allowed, scale, soft_cap)[:, 0]
+    return attend(q[:, None], k, v, allowed, scale, soft_cap, sinks)[:, 0]
 
 
 def paged_prefill_attention_ref(
@@ -95,6 +104,7 @@ def paged_prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a cached prefix plus themselves, variable lengths.
 
@@ -116,7 +126,7 @@ def paged_prefill_attention_ref(
     v = gather_kv(v_cache, block_tables, max_len)
     query_pos = (ctx - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]
     allowed = key_mask(query_pos, ctx, max_len, sliding_window)
-    out = attend(padded, k, v, allowed, scale, soft_cap)
+    out = attend(padded, k, v, allowed, scale, soft_cap, sinks)
     return out[seq_of_token, idx_in_seq]
 
 
@@ -136,3 +146,49 @@ def store_kv_ref(
         slots, k, v = slots[keep], k[keep], v[keep]
     k_cache[slots // block_size, slots % block_size] = k  # index_put on the view writes the pool
     v_cache[slots // block_size, slots % block_size] = v
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """A mixture-of-experts layer's experts, token by token (the maths the grouped kernels keep).
+
+    x: (num_tokens, hidden); topk_ids: (num_tokens, top_k) int, the experts each token was
+    routed to; topk_weights: (num_tokens, top_k) float32, their weights; gate_up:
+    (num_experts, 2 * inter, hidden), each expert's gate rows then its up rows; down:
+    (num_experts, hidden, inter); biases (float32) (num_experts, 2 * inter) and
+    (num_experts, hidden) or None. activation "silu": silu(gate) * up (Qwen3-MoE, Mixtral);
+    "gpt_oss": gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate). Each expert's output is rounded to x's dtype, then
+    weighted and added in the order of top_k. Returns x's shape and dtype.
+    """
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = gate_up[e].float() @ x[t].float()  # (2 * inter,)
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e].float()
+            gate, up = h[:inter].to(x.dtype).float(), h[inter:].to(x.dtype).float()
+            if activation == "silu":
+                act = torch.nn.functional.silu(gate) * up
+            elif activation == "gpt_oss":
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            else:
+                raise ValueError(f"unknown expert activation {activation!r}")
+            y = down[e].float() @ act.to(x.dtype).float()  # (hidden,)
+            if down_bias is not None:
+                y = y + down_bias[e].float()
+            out[t] += topk_weights[t, j].float() * y.to(x.dtype).float()
+    return out.to(x.dtype)
