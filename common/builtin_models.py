@@ -27,6 +27,8 @@ class BuiltinModel:
     # the parser its tool prompt is written for (None: by model_type)
     tool_parser: ToolParserName | None
     summary: str
+    # "module:function" that writes the model directory: function(path, dtype=...) (engine side)
+    builder: str
 
     def model_dir(self, dtype: str = "float32") -> Path:
         suffix = f"-{dtype}" if self.per_dtype else ""
@@ -39,6 +41,7 @@ TINY = BuiltinModel(
     per_dtype=False,
     tool_parser=None,
     summary="4-layer Qwen3-style test model, 4,096-token vocabulary, 5.9M parameters, 24 MB",
+    builder="tools.tiny_model.build:build_tiny_model",
 )
 SMOLLM2_135M = BuiltinModel(
     name="builtin:smollm2-135m",
@@ -46,6 +49,7 @@ SMOLLM2_135M = BuiltinModel(
     per_dtype=True,
     tool_parser="hermes",
     summary="SmolLM2-135M-Instruct (Llama, 30 layers), 538 MB in float32, 269 MB in bfloat16",
+    builder="engine.smollm2_model:build_smollm2",
 )
 BUILTIN_MODELS = {model.name: model for model in (TINY, SMOLLM2_135M)}
 

@@ -10,11 +10,12 @@ which waits on the build lock when another process is building the same model.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
 
-from common.builtin_models import SMOLLM2_135M, TINY, builtin_model
+from common.builtin_models import BUILTIN_MODELS, builtin_model
 from common.model_cache import ensure_built
 
 
@@ -23,12 +24,8 @@ def ensure_builtin(name: str, dtype: str = "float32") -> Path:
     if builtin is None:
         raise ValueError(f"{name!r} is not a builtin model")
     stored_dtype = dtype if builtin.per_dtype else "float32"
-    if builtin is TINY:
-        from tools.tiny_model.build import build_tiny_model as build
-    elif builtin is SMOLLM2_135M:
-        from engine.smollm2_model import build_smollm2 as build
-    else:  # pragma: no cover - every entry of BUILTIN_MODELS has a branch above
-        raise AssertionError(name)
+    module, _, function = builtin.builder.partition(":")
+    build = getattr(importlib.import_module(module), function)
     return ensure_built(
         builtin.model_dir(dtype), name, stored_dtype, lambda path: build(path, dtype=stored_dtype)
     )
@@ -36,7 +33,7 @@ def ensure_builtin(name: str, dtype: str = "float32") -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build a builtin model into the cache.")
-    parser.add_argument("model", help="builtin:tiny or builtin:smollm2-135m")
+    parser.add_argument("model", help=f"one of {', '.join(BUILTIN_MODELS)}")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     start = time.perf_counter()

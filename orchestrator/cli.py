@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from common.builtin_models import TINY, builtin_model, resolve_model_dir
+from common.builtin_models import BUILTIN_MODELS, TINY, builtin_model, resolve_model_dir
 from common.config import ClusterConfig, ConfigError, load_cluster_config
 from common.curve import ClusterKeys, as_client, generate_keys, load_keys
 from common.model_cache import is_verified
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-model", help="build a builtin model into the cache")
-    build.add_argument("model", help="builtin:smollm2-135m or builtin:tiny")
+    build.add_argument("model", help="a builtin: " + ", ".join(BUILTIN_MODELS))
     build.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     make_keys = commands.add_parser("keys", help="write a new CURVE keypair for a cluster")
     make_keys.add_argument("directory", help="where (created 0700; for a Kubernetes Secret)")
