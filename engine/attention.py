@@ -45,10 +45,11 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its paged context: (batch, num_heads, head_dim).
 
-    `sinks`: (num_heads,) float32 attention-sink logits (gpt-oss), see reference.attend.
+    `sinks`: (num_heads,) float32 attention-sink logits (gpt-oss), see reference.attend; the
+    Triton kernels take them, the CPU paths run the reference for them.
     `shared`: a dict the layers of one forward pass share; the torch path keeps its plan there
     (sort and grouping of the sequences, gather indices, masks), made by the first layer."""
-    if sinks is not None:
+    if sinks is not None and not _use_triton(backend, q):
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap,
             sinks,
@@ -58,8 +59,9 @@ def decode_attention(
 
         _check_runnable(q, decode.decode_split_kernel)
         return decode.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
-        )
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap,
+            sinks,
+        )  # fmt: skip
     if _use_cpu_kernels(backend, k_cache):
         return cpu_kernels.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
@@ -90,7 +92,7 @@ def prefill_attention(
     backend: AttentionBackend = "auto",
 ) -> torch.Tensor:
     """Packed new tokens over cached prefix + themselves, causal: q's shape."""
-    if sinks is not None:
+    if sinks is not None and not _use_triton(backend, q):
         return paged_prefill_attention_ref(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
             sliding_window, soft_cap, sinks,
@@ -101,7 +103,7 @@ def prefill_attention(
         _check_runnable(q, prefill.prefill_kernel)
         return prefill.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            sliding_window, soft_cap,
+            sliding_window, soft_cap, sinks,
         )  # fmt: skip
     if _use_cpu_kernels(backend, k_cache):
         return cpu_kernels.paged_prefill_attention(

@@ -17,6 +17,10 @@ Split-KV scheme for one (sequence b, KV head), context [start, ctx) with start >
 
 Each split is a multiple of BLOCK_N long, so an empty split (a short sequence in a batch sized for a
 long one) just writes lse = -inf and weighs nothing. With one split, stage 1 writes the output.
+
+Attention sinks (gpt-oss: one extra logit per query head, with a zero value) join the softmax once:
+stage 2 treats the sink as one more split with lse = sink and o = 0 (it only adds to the
+denominator); with one split, stage 1 starts its online softmax from the sink (m = sink, l = 1).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def attend_tile(
 
 @triton.jit
 def decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     part_out_ptr, part_lse_ptr, out_ptr,
     scale, soft_cap, sliding_window, num_splits,
     stride_qb, stride_qh, stride_qd,
@@ -112,8 +116,8 @@ def decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr, SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: attention of one (sequence, KV head group) over one split of the context."""
     b = tl.program_id(0)
@@ -142,6 +146,9 @@ def decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS and SINGLE_SPLIT:  # the sink is the first "key": weight 2^(sink - m), value 0
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E
+        l_i += 1.0
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + b * stride_btb
     for n0 in range(split_start, split_end, BLOCK_N):
@@ -174,10 +181,11 @@ def decode_split_kernel(
 
 @triton.jit
 def decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr,
     num_splits,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Stage 2: merge the splits of one (sequence, query head) by their log-sum-exp weights."""
     b = tl.program_id(0)
@@ -189,13 +197,19 @@ def decode_reduce_kernel(
     row = (b * tl.num_programs(1) + head) * num_splits + offs_s  # (BLOCK_S,)
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # empty splits weigh 0
     o = tl.load(
         part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # (BLOCK_S, BLOCK_D)
     total = tl.sum(w, 0)
+    if HAS_SINKS:  # one more split whose output is zero: it only adds to the denominator
+        total += tl.exp2(sink - m_safe)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od,
@@ -230,13 +244,15 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_decode_attention_ref`; `num_splits` overrides the split heuristic.
 
     q: (batch, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
     head_dim), any strides; block_tables: (batch, max_blocks) int32; context_lens: (batch,) counting
-    the query token. Returns (batch, num_heads, head_dim) in q's dtype.
+    the query token; sinks: (num_heads,) float32 or None. Returns (batch, num_heads, head_dim) in
+    q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -254,24 +270,26 @@ def paged_decode_attention(
         part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused: stage 1 writes `out`
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     block_d = max(16, triton.next_power_of_2(head_dim))
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, context_lens, sinks,
         part_out, part_lse, out,
         scale, soft_cap or 0.0, sliding_window or 0, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-        SINGLE_SPLIT=num_splits == 1, UPCAST=needs_upcast(q),
+        HAS_SINKS=sinks is not None, SINGLE_SPLIT=num_splits == 1, UPCAST=needs_upcast(q),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, num_splits, *out.stride(),
+            part_out, part_lse, sinks, out, num_splits, *out.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            HAS_SINKS=sinks is not None, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -10,7 +10,8 @@ program finds its sequence by a binary search over cu_seqlens_q:
              first(b) = cu_q[b] // 64 + b = 0, 2, 3; a tile past a sequence's end stores nothing.
 
 Keys run from the window start of the tile's first query to the tile's last query position, so the
-cached prefix and the causal part of the new tokens share one masked online-softmax loop.
+cached prefix and the causal part of the new tokens share one masked online-softmax loop. An
+attention sink (gpt-oss) is the loop's starting state: m = sink, l = 1, acc = 0 (its value is zero).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.decode import attend_tile, load_kv_tiles, needs_upcast
+from engine.kernels.decode import LOG2E, attend_tile, load_kv_tiles, needs_upcast
 
 BLOCK_M = 64  # query tokens per tile
 BLOCK_N = 64  # keys per tile
@@ -27,7 +28,7 @@ BLOCK_N = 64  # keys per tile
 
 @triton.jit
 def prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr,
     scale, soft_cap, sliding_window, batch,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -36,7 +37,8 @@ def prefill_kernel(
     stride_btb, stride_btn,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (query tile, query head): causal attention over the sequence's cached + new keys."""
     tile = tl.program_id(0)
@@ -77,6 +79,9 @@ def prefill_kernel(
         kv_start = tl.maximum(prefix + m0 - sliding_window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is the first "key": weight 2^(sink - m), value 0
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head) * LOG2E
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_btb
     for n0 in range(kv_start, kv_end, BLOCK_N):
@@ -113,13 +118,14 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_prefill_attention_ref`.
 
     q: (num_tokens, num_heads, head_dim) packed; k_cache, v_cache: (num_blocks, block_size,
     num_kv_heads, head_dim), any strides; block_tables: (batch, max_blocks) int32;
-    cu_seqlens_q: (batch + 1,) int32; context_lens: (batch,) prefix + new tokens.
-    Returns (num_tokens, num_heads, head_dim) in q's dtype.
+    cu_seqlens_q: (batch + 1,) int32; context_lens: (batch,) prefix + new tokens; sinks:
+    (num_heads,) float32 or None. Returns (num_tokens, num_heads, head_dim) in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -127,15 +133,17 @@ def paged_prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or batch == 0:
         return out
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     num_tiles = num_tokens // BLOCK_M + batch  # = first(batch), an upper bound on the tiles used
     prefill_kernel[(num_tiles, num_heads)](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, sinks,
         scale, soft_cap or 0.0, sliding_window or 0, batch,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFT_CAP=soft_cap is not None,
+        HAS_SOFT_CAP=soft_cap is not None, HAS_SINKS=sinks is not None,
         UPCAST=needs_upcast(q), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine import attention  # noqa: E402
-from engine.kernels import decode, prefill, store_kv, torch_paged  # noqa: E402
+from engine.kernels import cpu_kernels, decode, prefill, store_kv, torch_paged  # noqa: E402
 from engine.kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -224,6 +225,98 @@ def test_prefill_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
     for window, cap in [(16, None), (None, 3.0), (9, 5.0)]:
         expected = paged_prefill_attention_ref(*args, sliding_window=window, soft_cap=cap)
         assert_close(prefill.paged_prefill_attention(*args, window, cap), expected)
+
+
+# --- attention sinks (gpt-oss) --------------------------------------------------------------------
+
+WINDOWS_AND_CAPS = [(None, None), (20, None), (None, 3.0), (9, 5.0)]  # gpt-oss: window 128, no cap
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    """(num_heads,) float32 sink logits of the size of real scores, one head's sink dominant."""
+    sinks = 2 * torch.randn(num_heads, device=DEVICE)
+    sinks[0] = 12.0  # most of head 0's weight goes to the sink
+    return sinks
+
+
+def _assert_sinks_matter(with_sinks: torch.Tensor, without: torch.Tensor) -> None:
+    """The reference with sinks is not the reference without (a kernel ignoring them fails)."""
+    assert (with_sinks.float() - without.float()).abs().max() > 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_with_sinks_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, num_splits: int
+) -> None:
+    """The sink joins the softmax once: with one split in stage 1, with several in the merge
+    (3 splits of [1, 37, 150] leave the short sequences' later splits empty)."""
+    torch.manual_seed(12)
+    cache = PagedCache([1, 37, 150], num_kv_heads, head_dim=32, block_size=16, dtype=dtype)
+    q = 4 * torch.randn(3, num_heads, 32, dtype=dtype, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 32**-0.5)
+    sinks = _sinks(num_heads)
+    for window, cap in WINDOWS_AND_CAPS:
+        expected = paged_decode_attention_ref(*args, window, cap, sinks)
+        _assert_sinks_matter(expected, paged_decode_attention_ref(*args, window, cap))
+        out = decode.paged_decode_attention(*args, window, cap, sinks, num_splits=num_splits)
+        assert_close(out, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2)])
+def test_prefill_with_sinks_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int
+) -> None:
+    torch.manual_seed(13)
+    prefix_lens, q_lens = [0, 45, 19, 7], [70, 1, 22, 0]  # fresh, decode-like, extend, empty
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = PagedCache(lens, num_kv_heads, head_dim=32, block_size=16, dtype=dtype)
+    q, cu = _packed_queries(q_lens, num_heads, 32, dtype)
+    args = (4 * q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 32**-0.5)
+    sinks = _sinks(num_heads)
+    for window, cap in WINDOWS_AND_CAPS:
+        expected = paged_prefill_attention_ref(*args, window, cap, sinks)
+        _assert_sinks_matter(expected, paged_prefill_attention_ref(*args, window, cap))
+        assert_close(prefill.paged_prefill_attention(*args, window, cap, sinks), expected)
+
+
+@needs_kernels
+def test_dispatch_sends_sinks_to_triton_and_cpu_backends_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(14)
+    cache = PagedCache([30, 5], 2, 32, 16, torch.float32)
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    sinks = _sinks(4)
+    tables, lens = cache.block_tables, cache.context_lens
+    decode_args = (q, cache.k, cache.v, tables, lens, 0.25, 12)
+    prefill_args = (q, cache.k, cache.v, tables, cu, lens, 0.25, 12)
+    expected_decode = paged_decode_attention_ref(*decode_args, sinks=sinks)
+    expected_prefill = paged_prefill_attention_ref(*prefill_args, sinks=sinks)
+    calls: list[str] = []
+    for module, name in [(decode, "paged_decode_attention"), (prefill, "paged_prefill_attention")]:
+        kernel = getattr(module, name)
+
+        def counted(*args: object, _kernel: Callable[..., torch.Tensor] = kernel,
+                    _name: str = name, **kwargs: object) -> torch.Tensor:  # fmt: skip
+            calls.append(_name)
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    backends: tuple[attention.AttentionBackend, ...] = ("triton", "torch", "cpu")
+    for backend in backends:
+        if backend == "cpu" and not cpu_kernels.supports(cache.k):
+            continue
+        dec = attention.decode_attention(*decode_args, sinks=sinks, backend=backend)
+        pre = attention.prefill_attention(*prefill_args, sinks=sinks, backend=backend)
+        assert_close(dec, expected_decode)
+        assert_close(pre, expected_prefill)
+    assert calls == ["paged_decode_attention", "paged_prefill_attention"]  # triton's only
 
 
 # --- the torch path (the CPU's) against the reference ---------------------------------------------
