@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.hub_models import cached_snapshot, parse_hub_id
 from common.model_cache import CACHE_ROOT, is_complete
 from common.parser_choice import ToolParserName
 
@@ -64,7 +65,8 @@ def builtin_model(name: str) -> BuiltinModel | None:
 
 
 def resolve_model_dir(model: str, dtype: str = "float32") -> Path:
-    """The local directory behind a `model:` value: a builtin's cache directory (built already)
+    """The local directory behind a `model:` value: a builtin's cache directory (built already),
+    a hub id's snapshot in the Hugging Face cache (downloaded already: common/hub_models.py)
     or a Hugging Face directory with a fast tokenizer."""
     builtin = builtin_model(model)
     if builtin is not None:
@@ -75,6 +77,9 @@ def resolve_model_dir(model: str, dtype: str = "float32") -> Path:
                 f"(`orchestrator build-model {model} --dtype {dtype}` builds it)"
             )
         return path
+    hub = parse_hub_id(model)
+    if hub is not None:
+        return cached_snapshot(hub)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r}: {path} is not a directory")

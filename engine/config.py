@@ -8,12 +8,14 @@ from typing import Literal
 
 import torch
 
+from common.hub_models import cached_snapshot, parse_hub_id
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str  # a local Hugging Face directory, or a builtin (builtin:tiny, ...)
+    model: str  # a local Hugging Face directory, a builtin (builtin:tiny), a hub id (org/name)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
     block_size: int = 16
@@ -40,11 +42,15 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def model_dir(self) -> Path:
-        """The model directory, building a builtin into its cache on first use."""
+        """The model directory, building a builtin into its cache on first use; a hub id's
+        snapshot comes from the Hugging Face cache only (a worker never downloads)."""
         if self.model.startswith("builtin:"):
             from engine.builtin_build import ensure_builtin
 
             return ensure_builtin(self.model, self.dtype)
+        hub = parse_hub_id(self.model)
+        if hub is not None:
+            return cached_snapshot(hub)
         path = Path(self.model).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model {self.model!r}: no config.json in {path}")

@@ -10,6 +10,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from common.builtin_models import TINY
+from common.hub_models import parse_hub_id, prepare_snapshot
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, TokenOutput
@@ -37,6 +38,9 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str = TINY.name, **engine_options: Any) -> None:
+        hub = parse_hub_id(model)
+        if hub is not None:  # downloaded when the cache lacks it, as `orchestrator up` does
+            prepare_snapshot(hub)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
         self._ids = itertools.count()

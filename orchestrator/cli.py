@@ -1,5 +1,5 @@
-"""The `orchestrator` command: build a builtin model, bring a cluster up, report its status,
-scale it, drain a worker."""
+"""The `orchestrator` command: build a builtin model or download a hub one, bring a cluster up,
+report its status, scale it, drain a worker."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import zmq
 from common.builtin_models import BUILTIN_MODELS, TINY, builtin_model, resolve_model_dir
 from common.config import ClusterConfig, ConfigError, load_cluster_config
 from common.curve import ClusterKeys, as_client, generate_keys, load_keys
+from common.hub_models import download_snapshot, parse_hub_id, prepare_snapshot
 from common.model_cache import is_verified
 from common.protocol import ClusterInfo, Drain
 from common.transport import make_socket, send
@@ -34,6 +35,21 @@ WAIT_POLL_S = 0.5
 def build_model(model: str, dtype: str = "float32") -> int:
     """Build (or verify) a builtin in a child process: the orchestrator never imports torch."""
     return subprocess.call([sys.executable, "-m", "engine.builtin_build", model, "--dtype", dtype])
+
+
+def download(model: str) -> int:
+    """Fetch a hub id's serving files into the Hugging Face cache, asking the hub for the
+    revision's current commit even when a snapshot is cached (`up` would reuse that one)."""
+    try:
+        hub = parse_hub_id(model)
+        if hub is not None:
+            download_snapshot(hub)
+            return 0
+        message = f"{model!r} is not a Hugging Face id (org/name or org/name@revision)"
+    except (ValueError, FileNotFoundError) as exc:
+        message = str(exc)
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def tiny_model(path: str | None) -> int:
@@ -54,7 +70,8 @@ def load_config(path: str | None) -> ClusterConfig | None:
 
 def ensure_model(model: str, dtype: str) -> int:
     """0 when the model directory is usable; a builtin is built first when it is missing or its
-    weights no longer match their checksum (under a minute; once per machine)."""
+    weights no longer match their checksum (under a minute; once per machine), and a hub id
+    downloaded when the Hugging Face cache lacks it (here, so that no worker downloads)."""
     builtin = builtin_model(model)
     if builtin is not None:
         if is_verified(builtin.model_dir(dtype if builtin.per_dtype else "float32")):
@@ -62,9 +79,13 @@ def ensure_model(model: str, dtype: str) -> int:
         logging.getLogger(__name__).info("%s is not built yet: building it first", model)
         return 0 if build_model(model, dtype) == 0 else 1
     try:
-        resolve_model_dir(model)
+        hub = parse_hub_id(model)
+        if hub is not None:
+            prepare_snapshot(hub)
+        else:
+            resolve_model_dir(model)
         return 0
-    except FileNotFoundError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -277,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build-model", help="build a builtin model into the cache")
     build.add_argument("model", help="a builtin: " + ", ".join(BUILTIN_MODELS))
     build.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    fetch = commands.add_parser(
+        "download", help="download a Hugging Face model's serving files into the hub cache"
+    )
+    fetch.add_argument("model", help="org/name or org/name@revision (a branch, tag or commit)")
     make_keys = commands.add_parser("keys", help="write a new CURVE keypair for a cluster")
     make_keys.add_argument("directory", help="where (created 0700; for a Kubernetes Secret)")
     tiny = commands.add_parser("tiny-model", help="build the deterministic tiny model (offline)")
@@ -315,12 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request of a download
     if args.command == "keys":
         generate_keys(Path(args.directory))
         print(f"wrote {args.directory}/cluster.key and cluster.key_secret")
         return 0
     if args.command == "build-model":
         return build_model(args.model, args.dtype)
+    if args.command == "download":
+        return download(args.model)
     if args.command == "tiny-model":
         return tiny_model(args.path)
     if args.command == "up":
