@@ -27,9 +27,9 @@ from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from engine.linear import choose_layout, drop_decode_copies, pack_linear_layers
-from engine.model import load_model, use_c_decode_step, use_cpu_kernels
-from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PromptRows
+from engine.models import load_model, read_model_config
+from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -76,16 +76,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = config.model_dir()
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = read_model_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(  # past them the rotary tables have no rows, nor the model training
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
-        self.model = load_model(self.model_dir, self.model_config, config.torch_dtype).to(
-            config.device
-        )
+        self.model = load_model(
+            self.model_dir, self.model_config, config.torch_dtype, self.max_model_len
+        ).to(config.device)
         if config.device == "cpu":
             keep_freed_memory()  # the next step's activations reuse this one's pages
         layout = choose_layout(config.device, config.torch_dtype)
@@ -102,7 +102,7 @@ class LLMEngine:
             config.torch_dtype,
             config.device,
         )
-        # decode-only steps as one C call (model.py); where it cannot run, its copy goes
+        # decode-only steps as one C call (models/cpu_decode.py); where it cannot run, its copy goes
         if not (cpu_kernels.supports(self.kv_cache.layers[0][0]) and use_c_decode_step(self.model)):
             drop_decode_copies(self.model)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -14,7 +14,8 @@ import torch
 from engine.attention import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
-from engine.model import AttentionMetadata, CausalLM
+from engine.models.decoder import CausalLM
+from engine.models.layers import AttentionMetadata
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 

@@ -1,0 +1,65 @@
+"""Reading a safetensors checkpoint into a model built on the meta device, and the renames that
+turn a checkpoint's tensor names into the engine's (fused projections, stacked experts).
+
+Each architecture module says which conversions its checkpoints need; these helpers do them on the
+name -> tensor dict before `load_state_dict(assign=True)`, so no tensor is held twice.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+State = dict[str, torch.Tensor]
+
+
+def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:
+    state: State = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" not in name:  # old Llama checkpoints store inv_freq
+                    state[name] = f.get_tensor(name).to(dtype)
+    return state
+
+
+def stack(state: State, parts: tuple[str, ...], fused: str) -> None:
+    """Checkpoint projections that the model runs as one matmul: their weights (and biases)
+    stacked along the output dimension, in `parts` order, under the fused name."""
+    first = f".{parts[0]}."
+    for name in [n for n in state if first in n]:
+        prefix, _, kind = name.rpartition(first)  # kind: weight or bias
+        tensors = [state.pop(f"{prefix}.{part}.{kind}") for part in parts]
+        state[f"{prefix}.{fused}.{kind}"] = torch.cat(tensors)
+
+
+def rename(state: State, pattern: str, replacement: str) -> None:
+    """Every name matching the regex `pattern` renamed with re.sub(pattern, replacement)."""
+    compiled = re.compile(pattern)
+    for name in [n for n in state if compiled.search(n)]:
+        state[compiled.sub(replacement, name)] = state.pop(name)
+
+
+def stack_experts(
+    state: State, moe_prefix: str, gate: str, up: str, down: str, num_experts: int
+) -> None:
+    """Experts stored one by one (`{moe_prefix}.experts.{e}.{gate|up|down}.weight`) as the
+    engine's stacked tensors `{moe_prefix}.gate_up` (E, 2 * inter, hidden), gate rows first, and
+    `{moe_prefix}.down` (E, hidden, inter), for every layer that has them."""
+    pattern = re.compile(rf"^(.*\.{re.escape(moe_prefix)})\.experts\.0\.{re.escape(gate)}\.weight$")
+    for name in [n for n in state if pattern.match(n)]:
+        layer = pattern.match(name).group(1)  # type: ignore[union-attr]
+
+        def take(e: int, part: str, layer: str = layer) -> torch.Tensor:
+            return state.pop(f"{layer}.experts.{e}.{part}.weight")
+
+        state[f"{layer}.gate_up"] = torch.stack(
+            [torch.cat([take(e, gate), take(e, up)]) for e in range(num_experts)]
+        )
+        state[f"{layer}.down"] = torch.stack([take(e, down) for e in range(num_experts)])
