@@ -151,7 +151,9 @@ class CpuConfig(_Section, frozen=True):
 
 
 class ClusterConfig(_Section, frozen=True):
-    model: str = "builtin:smollm2-135m"  # a builtin (common/builtin_models.py) or a HF directory
+    # a builtin (common/builtin_models.py), a Hugging Face directory, or a hub id org/name or
+    # org/name@revision served from the Hugging Face cache (common/hub_models.py)
+    model: str = "builtin:smollm2-135m"
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
