@@ -12,7 +12,7 @@ resolved through the hub's own cache as `vllm serve` resolves them.
 starts, unless the cache holds them already; every other process (frontend, engine and postproc
 workers) only looks the id up in the cache and never downloads, so all of them serve the same
 snapshot. huggingface_hub reads HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_ENDPOINT itself,
-when it is imported: this module lays out and reads nothing by hand.
+when it is imported, and finds and writes every path in the cache: none is built here.
 """
 
 from __future__ import annotations
@@ -71,17 +71,10 @@ def cache_dir() -> Path:
 def cached_snapshot(hub: HubId) -> Path:
     """The snapshot directory of `hub` in the cache, without any network access: what the
     frontend and the workers serve once `orchestrator up` has downloaded it."""
-    import huggingface_hub
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     try:
-        path = huggingface_hub.snapshot_download(
-            hub.repo_id,
-            revision=hub.revision,
-            allow_patterns=SERVER_FILES,
-            ignore_patterns=NOT_SERVER_FILES,
-            local_files_only=True,
-        )
+        path = _snapshot_download(hub, local_files_only=True)
     except IncompleteSnapshotError as exc:
         raise HubModelError(incomplete_message(hub, exc.snapshot_path)) from None
     except LocalEntryNotFoundError:
@@ -90,13 +83,12 @@ def cached_snapshot(hub: HubId) -> Path:
             f"(`orchestrator up` downloads it before it starts the cluster, "
             f"`orchestrator download {hub}` ahead of time)"
         ) from None
-    return checked_snapshot(hub, Path(path))
+    return checked_snapshot(hub, path)
 
 
 def download_snapshot(hub: HubId) -> Path:
     """Ask the hub for `hub` and download what the cache lacks (with progress on stderr):
     `orchestrator download`. Offline (HF_HUB_OFFLINE, or no network) the cache alone answers."""
-    import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         IncompleteSnapshotError,
@@ -110,12 +102,7 @@ def download_snapshot(hub: HubId) -> Path:
     if not constants.HF_HUB_OFFLINE:
         _progress(f"{hub}: fetching config, tokenizer and safetensors weights into {cache_dir()}")
     try:
-        snapshot = huggingface_hub.snapshot_download(
-            hub.repo_id,
-            revision=hub.revision,
-            allow_patterns=SERVER_FILES,
-            ignore_patterns=NOT_SERVER_FILES,
-        )
+        path = _snapshot_download(hub, local_files_only=False)
     except IncompleteSnapshotError as exc:
         raise HubModelError(incomplete_message(hub, exc.snapshot_path)) from None
     except LocalEntryNotFoundError as exc:
@@ -136,7 +123,7 @@ def download_snapshot(hub: HubId) -> Path:
         ) from None
     except Exception as exc:  # a transfer cut short, a full disk: one line, not a traceback
         raise HubModelError(f"model {str(hub)!r}: the download failed ({_cause(exc)})") from None
-    path = checked_snapshot(hub, Path(snapshot))
+    checked_snapshot(hub, path)
     _progress(f"{hub}: ready in {path} ({time.perf_counter() - start:.0f} s)")
     return path
 
@@ -148,6 +135,21 @@ def prepare_snapshot(hub: HubId) -> Path:
         return cached_snapshot(hub)
     except HubModelError:
         return download_snapshot(hub)
+
+
+def _snapshot_download(hub: HubId, local_files_only: bool) -> Path:
+    """huggingface_hub's own lookup (and download) of the serving files of `hub`."""
+    import huggingface_hub
+
+    return Path(
+        huggingface_hub.snapshot_download(
+            hub.repo_id,
+            revision=hub.revision,
+            allow_patterns=SERVER_FILES,
+            ignore_patterns=NOT_SERVER_FILES,
+            local_files_only=local_files_only,
+        )
+    )
 
 
 def checked_snapshot(hub: HubId, path: Path) -> Path:

@@ -41,7 +41,9 @@ class FakeHub:
     requests: list[str] = field(default_factory=list)  # "GET /path", in arrival order
     url: str = ""
 
-    def add_repo(self, repo_id: str, refs: dict[str, str], commits: dict[str, dict[str, bytes]]):
+    def add_repo(
+        self, repo_id: str, refs: dict[str, str], commits: dict[str, dict[str, bytes]]
+    ) -> None:
         self.repos[repo_id] = FakeRepo(refs, commits)
 
 
@@ -134,20 +136,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(content)
 
         def json(self, body: object, commit: str) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-Repo-Commit", commit)
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_json(200, body, {"X-Repo-Commit": commit})
 
         def hub_error(self, code: str) -> None:
-            data = json.dumps({"error": code}).encode()
-            self.send_response(404)
+            self.send_json(404, {"error": code}, {"X-Error-Code": code})
+
+        def send_json(self, status: int, body: object, headers: dict[str, str]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-Error-Code", code)
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
 
