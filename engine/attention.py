@@ -20,11 +20,7 @@ from typing import Literal, cast
 import torch
 
 from engine.kernels import cpu_kernels, torch_paged
-from engine.kernels.reference import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kv_ref,
-)
+from engine.kernels.reference import store_kv_ref
 
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 
@@ -45,15 +41,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its paged context: (batch, num_heads, head_dim).
 
-    `sinks`: (num_heads,) float32 attention-sink logits (gpt-oss), see reference.attend; the
-    Triton kernels take them, the CPU paths run the reference for them.
+    `sinks`: (num_heads,) float32 attention-sink logits (gpt-oss), see reference.attend; every
+    path takes them.
     `shared`: a dict the layers of one forward pass share; the torch path keeps its plan there
     (sort and grouping of the sequences, gather indices, masks), made by the first layer."""
-    if sinks is not None and not _use_triton(backend, q):
-        return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap,
-            sinks,
-        )  # fmt: skip
     if _use_triton(backend, q):
         from engine.kernels import decode
 
@@ -64,8 +55,9 @@ def decode_attention(
         )  # fmt: skip
     if _use_cpu_kernels(backend, k_cache):
         return cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap
-        )
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap,
+            sinks,
+        )  # fmt: skip
     key = f"torch_decode_plan/{sliding_window}"  # layers may differ in their window
     plan = cast("list[torch_paged.DecodeGroup] | None", (shared or {}).get(key))
     if plan is None:
@@ -73,8 +65,9 @@ def decode_attention(
         if shared is not None:
             shared[key] = plan
     return torch_paged.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap, plan
-    )
+        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, soft_cap, sinks,
+        plan,
+    )  # fmt: skip
 
 
 def prefill_attention(
@@ -92,11 +85,6 @@ def prefill_attention(
     backend: AttentionBackend = "auto",
 ) -> torch.Tensor:
     """Packed new tokens over cached prefix + themselves, causal: q's shape."""
-    if sinks is not None and not _use_triton(backend, q):
-        return paged_prefill_attention_ref(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            sliding_window, soft_cap, sinks,
-        )  # fmt: skip
     if _use_triton(backend, q):
         from engine.kernels import prefill
 
@@ -108,11 +96,11 @@ def prefill_attention(
     if _use_cpu_kernels(backend, k_cache):
         return cpu_kernels.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            sliding_window, soft_cap,
+            sliding_window, soft_cap, sinks,
         )  # fmt: skip
     return torch_paged.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-        sliding_window, soft_cap,
+        sliding_window, soft_cap, sinks,
     )  # fmt: skip
 
 

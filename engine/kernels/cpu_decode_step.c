@@ -23,9 +23,10 @@
 
 /* The kernels this pass strings together (cpu_kernels.c, cpu_linear.c). */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
-              int64_t dim, float eps, int dtype);
+              int64_t dim, float eps, int gemma, int dtype);
 void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
-          const int64_t *positions, const float *cos, const float *sin, int dtype);
+          int64_t rotary_dim, const int64_t *positions, const float *cos, const float *sin,
+          int dtype);
 void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
               const int64_t *slot_mapping, int64_t num_tokens, int64_t row_len,
               int64_t elem_size, int64_t block_size, int64_t block_stride);
@@ -33,7 +34,7 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                  const int32_t *block_tables, const int32_t *context_lens, float *out,
                  int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                  int64_t block_size, int64_t block_stride, int64_t max_blocks, float scale,
-                 int64_t window, float soft_cap, int threads);
+                 int64_t window, float soft_cap, const float *sinks, int threads);
 void panel_linear(const float *x, const void *panels, int dtype, const float *bias, float *out,
                   int64_t M, int64_t N, int64_t K, int threads);
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
@@ -123,8 +124,8 @@ static int attention(const DecodeLayer *L, const DecodeShape *s, const Buffers *
     int64_t d = s->head_dim, q_len = s->num_heads * d, kv_len = s->num_kv_heads * d;
     int64_t row = q_len + 2 * kv_len, elem = s->dtype == F32 ? 4 : 2;
     char *qkv = b->qkv;
-    rope(qkv, row, M, s->num_heads, d, positions, cos, sin, s->dtype);
-    rope(qkv + q_len * elem, row, M, s->num_kv_heads, d, positions, cos, sin, s->dtype);
+    rope(qkv, row, M, s->num_heads, d, d, positions, cos, sin, s->dtype);
+    rope(qkv + q_len * elem, row, M, s->num_kv_heads, d, d, positions, cos, sin, s->dtype);
     for (int64_t t = 0; t < M; t++) {
         const char *k = qkv + (t * row + q_len) * elem;
         store_kv(k, k + kv_len * elem, L->k_cache, L->v_cache, slots + t, 1, kv_len, elem,
@@ -133,7 +134,7 @@ static int attention(const DecodeLayer *L, const DecodeShape *s, const Buffers *
     }
     if (paged_decode(b->q32, L->k_cache, L->v_cache, s->dtype, tables, lens, b->attn32, M,
                      s->num_heads, s->num_kv_heads, d, s->block_size, s->block_stride,
-                     s->max_blocks, s->scale, s->window, s->soft_cap, s->threads) != 0)
+                     s->max_blocks, s->scale, s->window, s->soft_cap, NULL, s->threads) != 0)
         return -1;
     for (int64_t i = 0; i < M * q_len; i++) put(b->attn, i, b->attn32[i], s->dtype);
     return 0;
@@ -152,19 +153,19 @@ int decode_step(const DecodeLayer *layers, int64_t num_layers, const DecodeShape
         const DecodeLayer *L = &layers[l];
         if (l == 0) {
             memcpy(b.residual, x, (size_t)(M * H) * (s->dtype == F32 ? 4 : 2));
-            rms_norm(x, NULL, L->input_norm, b.h, M, H, s->eps, s->dtype);
+            rms_norm(x, NULL, L->input_norm, b.h, M, H, s->eps, 0, s->dtype);
         } else {
-            rms_norm(b.y, b.residual, L->input_norm, b.h, M, H, s->eps, s->dtype);
+            rms_norm(b.y, b.residual, L->input_norm, b.h, M, H, s->eps, 0, s->dtype);
         }
         linear(b.h, L->qkv, L->qkv_bias, b.qkv, M, row, H, s, &b);
         if (attention(L, s, &b, M, positions, slots, block_tables, context_lens, cos, sin) != 0)
             return -1;
         linear(b.attn, L->o, NULL, b.y, M, H, q_len, s, &b);
-        rms_norm(b.y, b.residual, L->post_norm, b.h, M, H, s->eps, s->dtype);
+        rms_norm(b.y, b.residual, L->post_norm, b.h, M, H, s->eps, 0, s->dtype);
         linear(b.h, L->gate_up, NULL, b.gate_up, M, 2 * I, H, s, &b);
         silu_mul(b.gate_up, b.act, M, I, s->dtype);
         linear(b.act, L->down, NULL, b.y, M, H, I, s, &b);
     }
-    rms_norm(b.y, b.residual, final_norm, x, M, H, s->eps, s->dtype);
+    rms_norm(b.y, b.residual, final_norm, x, M, H, s->eps, 0, s->dtype);
     return 0;
 }

@@ -1,6 +1,9 @@
-/* The element types of the CPU kernels: float32, or bfloat16 held as a float32's high half. */
+/* The element types of the CPU kernels: float32, or bfloat16 held as a float32's high half; and
+ * the float32 functions the kernels share (exp, tanh), written so that loops over them
+ * vectorize. */
 #ifndef PDCLUSTER_CPU_DTYPES_H
 #define PDCLUSTER_CPU_DTYPES_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -61,5 +64,39 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t at
     v8f v;
     memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+/* exp(x) in float32 to about one unit in the last place (Cephes' expf: x = n ln2 + r, a
+ * degree-6 polynomial for e^r, 2^n put in the exponent bits). Unlike libm's expf it has no call
+ * and no branch, so loops over rows of values vectorize. x is clamped to [-87, 88]: e^-87 is
+ * 1.6e-38 (nothing next to a softmax row's maximum of e^0, or to SiLU's 1 + e^x), e^88 is
+ * 1.7e38 (where libm would give infinity, SiLU's x / (1 + e^-x) is 0 either way). */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* tanh(x) in float32 to a unit or two in the last place (Cephes' tanhf: an odd polynomial below
+ * |x| = 0.625, 1 - 2 / (e^2|x| + 1) above), both computed and one picked, so that it vectorizes
+ * where libm's tanhf is a call per value (a soft-capped prefill spent most of its time there).
+ * Beyond |x| = 44 e^2|x| is clamped and the result is exactly +-1, as tanhf's. */
+static inline float tanh_clamped(float x) {
+    float a = fabsf(x), z = x * x;
+    float big = 1.0f - 2.0f / (exp_clamped(2.0f * a) + 1.0f);
+    float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                    1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    return a > 0.625f ? copysignf(big, x) : small;
 }
 #endif

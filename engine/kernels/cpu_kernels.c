@@ -8,8 +8,10 @@
  * once where it lies, eight tokens at a time for all its query heads (GQA: a KV head's rows
  * serve every query head that shares it), with a two-pass softmax in float32 (scores, then
  * max / exp / sum, then the weighted sum of values): the reference's maths, summed in another
- * order. Prefill takes a sequence's new tokens a tile at a time (paged_prefill, below); with
- * a sliding window or a soft cap, each new token as a decode query over its own prefix.
+ * order. Prefill takes a sequence's new tokens a tile at a time (paged_prefill, below). Both
+ * take a sliding window (keys before it are skipped), a soft cap (tanh_clamped, vectorized) and
+ * attention sinks (gpt-oss: a logit per query head that joins each row's softmax, with no
+ * value, so the row's weights sum to less than one).
  *
  * On SmolLM2, 32 sequences of 250 tokens, 30 layers, one thread (session 15's AVX-512 host):
  * 35 ms in float32 and 23 in bfloat16, where a pass per (sequence, KV head) with a horizontal sum
@@ -44,28 +46,6 @@ static int64_t longest_context(const int32_t *context_lens, int64_t batch) {
     return longest;
 }
 
-/* exp(x) in float32 to about one unit in the last place (Cephes' expf: x = n ln2 + r, a
- * degree-6 polynomial for e^r, 2^n put in the exponent bits). Unlike libm's expf it has no call
- * and no branch, so loops over rows of values vectorize. x is clamped to [-87, 88]: e^-87 is
- * 1.6e-38 (nothing next to a softmax row's maximum of e^0, or to SiLU's 1 + e^x), e^88 is
- * 1.7e38 (where libm would give infinity, SiLU's x / (1 + e^-x) is 0 either way). */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
 /* Lanes of a and b (b's numbered from 8) picked by constant indices: GCC's builtin, or clang's. */
 #ifdef __clang__
 #define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -98,6 +78,20 @@ static inline void prefetch_chunk(const void *cache, const int64_t *rows, int64_
     for (int64_t j = from; j < n && j < from + KEYS; j++)
         for (int64_t b = 0; b < row_len * elem; b += 64)
             __builtin_prefetch((const char *)cache + rows[j] * elem + b, 0, 1);
+}
+
+/* Softmax over row[lo .. hi) in place: the soft cap first (soft_cap > 0: cap * tanh(s / cap)),
+ * and the sink's logit (NULL: none) in the maximum and the sum, as one more key whose
+ * probability is dropped (reference.attend). */
+static inline void softmax_row(float *restrict row, int64_t lo, int64_t hi, float soft_cap,
+                               const float *sink) {
+    float peak = sink != NULL ? *sink : -INFINITY, total = 0.0f;
+    if (soft_cap > 0.0f)
+        for (int64_t i = lo; i < hi; i++) row[i] = soft_cap * tanh_clamped(row[i] / soft_cap);
+    for (int64_t i = lo; i < hi; i++) peak = row[i] > peak ? row[i] : peak;
+    for (int64_t i = lo; i < hi; i++) total += (row[i] = exp_clamped(row[i] - peak));
+    if (sink != NULL) total += exp_clamped(*sink - peak);
+    for (int64_t i = lo; i < hi; i++) row[i] /= total;
 }
 
 /* Query heads of one KV head worked on together, its keys and values loaded (and widened from
@@ -171,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
     const float *restrict q, const void *k_cache, const void *v_cache, const int dtype,
     const int32_t *table, int64_t len, float *restrict out, int64_t num_heads,
     int64_t num_kv_heads, const int64_t d, int64_t block_size, int64_t block_stride,
-    float scale, int64_t window, float soft_cap, float *restrict scores,
+    float scale, int64_t window, float soft_cap, const float *sinks, float *restrict scores,
     int64_t *restrict rows) {
     int64_t start = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - start, stride = (n + KEYS - 1) / KEYS * KEYS;
@@ -194,14 +188,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #undef SCORE
         }
     }
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *row = scores + h * stride, peak = -INFINITY, total = 0.0f;
-        if (soft_cap > 0.0f)
-            for (int64_t i = 0; i < n; i++) row[i] = soft_cap * tanhf(row[i] / soft_cap);
-        for (int64_t i = 0; i < n; i++) peak = row[i] > peak ? row[i] : peak;
-        for (int64_t i = 0; i < n; i++) total += (row[i] = exp_clamped(row[i] - peak));
-        for (int64_t i = 0; i < n; i++) row[i] /= total;
-    }
+    for (int64_t h = 0; h < num_heads; h++)
+        softmax_row(scores + h * stride, 0, n, soft_cap, sinks != NULL ? sinks + h : NULL);
     /* Each output row is accumulated over the tokens in order, as the reference sums them. */
     for (int64_t i = 0; i < num_heads * d; i++) out[i] = 0.0f;
     for (int64_t i0 = 0; i0 < n; i0 += KEYS) {
@@ -220,13 +208,14 @@ static inline __attribute__((always_inline)) void attend_sequence(
 
 #define ATTEND(D, DTYPE)                                                                       \
     attend_sequence(q, k_cache, v_cache, DTYPE, table, len, out, num_heads, num_kv_heads, D,   \
-                    block_size, block_stride, scale, window, soft_cap, scores, rows)
+                    block_size, block_stride, scale, window, soft_cap, sinks, scores, rows)
 
 static void attend_sequence_any(const float *q, const void *k_cache, const void *v_cache,
                                 int dtype, const int32_t *table, int64_t len, float *out,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t d,
                                 int64_t block_size, int64_t block_stride, float scale,
-                                int64_t window, float soft_cap, float *scores, int64_t *rows) {
+                                int64_t window, float soft_cap, const float *sinks, float *scores,
+                                int64_t *rows) {
     if (dtype == F32) {
         switch (d) {
             case 64: ATTEND(64, F32); break;
@@ -244,12 +233,13 @@ static void attend_sequence_any(const float *q, const void *k_cache, const void 
 
 /* q, out: (batch, num_heads, d) float32, d a multiple of 8; block_tables: (batch, max_blocks)
  * int32; context_lens: (batch,) int32, counting the new token. window <= 0: none;
- * soft_cap <= 0: none. Returns 0, or -1 when scratch memory could not be had. */
+ * soft_cap <= 0: none; sinks: (num_heads,) float32 logits, or NULL. Returns 0, or -1 when
+ * scratch memory could not be had. */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                  const int32_t *block_tables, const int32_t *context_lens, float *out,
                  int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                  int64_t block_size, int64_t block_stride, int64_t max_blocks, float scale,
-                 int64_t window, float soft_cap, int threads) {
+                 int64_t window, float soft_cap, const float *sinks, int threads) {
     if (d % 8 != 0) abort(); /* cpu_kernels.supports() sends such caches to the torch path */
     int64_t longest = longest_context(context_lens, batch);
     int64_t stride = (longest + KEYS - 1) / KEYS * KEYS;
@@ -266,8 +256,8 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                 attend_sequence_any(q + b * num_heads * d, k_cache, v_cache, dtype,
                                     block_tables + b * max_blocks, context_lens[b],
                                     out + b * num_heads * d, num_heads, num_kv_heads, d,
-                                    block_size, block_stride, scale, window, soft_cap, scores,
-                                    (int64_t *)(scores + num_heads * stride));
+                                    block_size, block_stride, scale, window, soft_cap, sinks,
+                                    scores, (int64_t *)(scores + num_heads * stride));
             free(scores);
         }
     }
@@ -279,85 +269,102 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
  * float32) and its values as rows (n x d); TILE rows of (query token, query head) pairs then
  * take 16 keys at a time (two vectors of scores a row: TILE x 2 accumulators, each key element
  * loaded once for the whole tile), and 16 output columns at a time over the values. A row's keys
- * end at its own position: key blocks past the tile's last position are skipped, and within the
- * rest a row's later keys get probability 0. SmolLM2, 8 prompts of 191 tokens, 30 layers: 0.17 s
- * in float32 or bfloat16, against 0.25 for a decode query per token (which reloads the keys for
- * every query) and 0.42 for the torch path. No window or soft cap here (the caller takes the
- * decode path for those). */
+ * end at its own position and, with a sliding window, start `window` positions before it: key
+ * blocks outside the tile's rows' span are skipped (with a window, the keys before the first
+ * new token's window are not even gathered), and within it a row's other keys get probability
+ * 0. SmolLM2, 8 prompts of 191 tokens, 30 layers: 0.17 s in float32 or bfloat16, against 0.25
+ * for a decode query per token (which reloads the keys for every query) and 0.42 for the torch
+ * path. The same prompts with Gemma 2's soft cap of 50 (and its window of 4096, or none):
+ * 0.19-0.21 s, where a decode query per token (how these ran before the tiles took them) took
+ * 0.66 (libm's tanhf, a call per score); with a window of 64, 0.10 against 0.14, and 0.12
+ * against 0.38 with the cap too. */
 #ifdef __AVX512VL__
 enum { TILE = 12 }; /* 24 accumulators in AVX-512's 32 registers */
 #else
 enum { TILE = 6 };
 #endif
 
+/* The first key position that a query at `pos` sees. */
+static inline int64_t window_start(int64_t pos, int64_t window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
 /* scratch: padded * (2 * d + TILE) floats, padded = total rounded up to 16. */
 static inline __attribute__((always_inline)) void prefill_sequence(
     const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
     int64_t total, int64_t queries, float *out, int64_t num_heads, int64_t num_kv_heads,
-    int64_t d, int64_t block_size, int64_t block_stride, float scale, float *scratch,
-    const int dtype) {
-    int64_t group = num_heads / num_kv_heads, padded = (total + 15) / 16 * 16;
-    int64_t first_pos = total - queries, num_rows = queries * group;
+    int64_t d, int64_t block_size, int64_t block_stride, float scale, int64_t window,
+    float soft_cap, const float *sinks, float *scratch, const int dtype) {
+    int64_t group = num_heads / num_kv_heads, first_pos = total - queries;
+    /* scratch key i is position base + i: with a window, the keys no new token sees are left */
+    int64_t base = window_start(first_pos, window), n = total - base;
+    int64_t padded = (n + 15) / 16 * 16, num_rows = queries * group;
     float *keys_t = scratch, *values = scratch + padded * d, *probs = scratch + 2 * padded * d;
     for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
         for (int64_t i = 0; i < padded; i++) {
-            int64_t row = (int64_t)table[i < total ? i / block_size : 0] * block_stride +
-                          ((i % block_size) * num_kv_heads + kvh) * d;
+            int64_t pos = i < n ? base + i : base; /* past the end: zeros, read from anywhere */
+            int64_t row = (int64_t)table[pos / block_size] * block_stride +
+                          ((pos % block_size) * num_kv_heads + kvh) * d;
             for (int64_t c = 0; c < d; c += 8) {
-                v8f k = i < total ? load8(k_cache, row + c, dtype) : splat(0.0f);
-                v8f v = i < total ? load8(v_cache, row + c, dtype) : splat(0.0f);
+                v8f k = i < n ? load8(k_cache, row + c, dtype) : splat(0.0f);
+                v8f v = i < n ? load8(v_cache, row + c, dtype) : splat(0.0f);
                 memcpy(values + i * d + c, &v, sizeof v);
                 for (int u = 0; u < 8; u++) keys_t[(c + u) * padded + i] = k[u];
             }
         }
         for (int64_t r0 = 0; r0 < num_rows; r0 += TILE) {
             /* rows r0 .. r0 + TILE - 1 are (token r / group, head kvh * group + r % group); past
-             * the last row the tile repeats it (computed, never stored) */
+             * the last row the tile repeats it (computed, never stored). Row t sees scratch keys
+             * lo[t] .. hi[t] - 1; the tile reads key blocks begin .. end. */
             const float *qrow[TILE];
-            int64_t at[TILE], limit[TILE], keys = 0;
+            int64_t at[TILE], lo[TILE], hi[TILE], head[TILE], begin = n, end = 0;
             for (int t = 0; t < TILE; t++) {
                 int64_t r = r0 + t < num_rows ? r0 + t : num_rows - 1;
-                at[t] = ((r / group) * num_heads + kvh * group + r % group) * d;
+                int64_t pos = first_pos + r / group;
+                head[t] = kvh * group + r % group;
+                at[t] = ((r / group) * num_heads + head[t]) * d;
                 qrow[t] = q + at[t];
-                limit[t] = first_pos + r / group + 1;
-                keys = limit[t] > keys ? limit[t] : keys;
+                lo[t] = window_start(pos, window) - base;
+                hi[t] = pos + 1 - base;
+                begin = lo[t] < begin ? lo[t] : begin;
+                end = hi[t] > end ? hi[t] : end;
             }
-            for (int64_t k0 = 0; k0 < keys; k0 += 16) {
+            begin = begin / 16 * 16;
+            for (int64_t k0 = begin; k0 < end; k0 += 16) {
                 v8f acc[TILE][2];
                 for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = splat(0.0f);
                 for (int64_t c = 0; c < d; c++) {
-                    v8f lo = load8(keys_t, c * padded + k0, F32);
-                    v8f hi = load8(keys_t, c * padded + k0 + 8, F32);
+                    v8f lo8 = load8(keys_t, c * padded + k0, F32);
+                    v8f hi8 = load8(keys_t, c * padded + k0 + 8, F32);
                     for (int t = 0; t < TILE; t++) {
                         v8f qc = splat(qrow[t][c]);
-                        acc[t][0] += qc * lo;
-                        acc[t][1] += qc * hi;
+                        acc[t][0] += qc * lo8;
+                        acc[t][1] += qc * hi8;
                     }
                 }
                 for (int t = 0; t < TILE; t++) {
-                    v8f lo = acc[t][0] * splat(scale), hi = acc[t][1] * splat(scale);
-                    memcpy(probs + t * padded + k0, &lo, sizeof lo);
-                    memcpy(probs + t * padded + k0 + 8, &hi, sizeof hi);
+                    v8f a = acc[t][0] * splat(scale), b = acc[t][1] * splat(scale);
+                    memcpy(probs + t * padded + k0, &a, sizeof a);
+                    memcpy(probs + t * padded + k0 + 8, &b, sizeof b);
                 }
             }
-            int64_t blocks_end = (keys + 15) / 16 * 16;
+            int64_t blocks_end = (end + 15) / 16 * 16;
             for (int t = 0; t < TILE; t++) {
-                float *row = probs + t * padded, peak = -INFINITY, sum = 0.0f;
-                for (int64_t i = 0; i < limit[t]; i++) peak = row[i] > peak ? row[i] : peak;
-                for (int64_t i = 0; i < limit[t]; i++) sum += (row[i] = exp_clamped(row[i] - peak));
-                for (int64_t i = 0; i < limit[t]; i++) row[i] /= sum;
-                for (int64_t i = limit[t]; i < blocks_end; i++) row[i] = 0.0f;
+                float *row = probs + t * padded;
+                softmax_row(row, lo[t], hi[t], soft_cap, sinks != NULL ? sinks + head[t] : NULL);
+                for (int64_t i = begin; i < lo[t]; i++) row[i] = 0.0f;
+                for (int64_t i = hi[t]; i < blocks_end; i++) row[i] = 0.0f;
             }
             for (int64_t c0 = 0; c0 < d; c0 += 16) {
                 v8f acc[TILE][2];
                 for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = splat(0.0f);
-                for (int64_t i = 0; i < keys; i++) {
-                    v8f lo = load8(values, i * d + c0, F32);
-                    v8f hi = c0 + 8 < d ? load8(values, i * d + c0 + 8, F32) : splat(0.0f);
+                for (int64_t i = begin; i < end; i++) {
+                    v8f lo8 = load8(values, i * d + c0, F32);
+                    v8f hi8 = c0 + 8 < d ? load8(values, i * d + c0 + 8, F32) : splat(0.0f);
                     for (int t = 0; t < TILE; t++) {
                         v8f p = splat(probs[t * padded + i]);
-                        acc[t][0] += p * lo;
-                        acc[t][1] += p * hi;
+                        acc[t][0] += p * lo8;
+                        acc[t][1] += p * hi8;
                     }
                 }
                 for (int t = 0; t < TILE && r0 + t < num_rows; t++) {
@@ -372,12 +379,14 @@ static inline __attribute__((always_inline)) void prefill_sequence(
 
 /* q, out: (num_tokens, num_heads, d) float32, d a multiple of 8, the sequences' new tokens back
  * to back (cu_seqlens_q: (batch + 1,) int32); context_lens: (batch,) int32, each sequence's
- * cached prefix plus its new tokens. Returns 0, or -1 when scratch memory could not be had. */
+ * cached prefix plus its new tokens. window, soft_cap, sinks: as paged_decode's. Returns 0, or
+ * -1 when scratch memory could not be had. */
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int dtype,
                   const int32_t *block_tables, const int32_t *cu_seqlens_q,
                   const int32_t *context_lens, float *out, int64_t batch, int64_t num_heads,
                   int64_t num_kv_heads, int64_t d, int64_t block_size, int64_t block_stride,
-                  int64_t max_blocks, float scale, int threads) {
+                  int64_t max_blocks, float scale, int64_t window, float soft_cap,
+                  const float *sinks, int threads) {
     if (d % 8 != 0) abort(); /* cpu_kernels.supports() sends such caches to the torch path */
     int64_t padded = (longest_context(context_lens, batch) + 15) / 16 * 16;
     int failed = 0;
@@ -394,7 +403,7 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
                 WITH_DTYPE(dtype, prefill_sequence, q + start * num_heads * d, k_cache, v_cache,
                            block_tables + b * max_blocks, context_lens[b], queries,
                            out + start * num_heads * d, num_heads, num_kv_heads, d, block_size,
-                           block_stride, scale, scratch);
+                           block_stride, scale, window, soft_cap, sinks, scratch);
             }
             free(scratch);
         }
@@ -418,47 +427,82 @@ void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
     }
 }
 
-/* Llama's RMSNorm over rows of x: (rows, dim), written to out, in the order Hugging Face computes
- * it (in float32: x * rsqrt(mean(x^2) + eps), rounded to the dtype, times the weight). With a
- * residual, the row normalised is residual + x, which is stored back into residual first (the
- * decoder's skip connection, one pass instead of an add and a norm). */
-static inline __attribute__((always_inline)) void rms_norm_rows(
-    const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
-    float eps, const int dtype) {
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t at = r * dim;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < dim; j++) {
-            float v = get(x, at + j, dtype);
-            if (residual != NULL) {
-                v = held(get(residual, at + j, dtype) + v, dtype);
-                put(residual, at + j, v, dtype);
-            }
-            sum += v * v;
-        }
-        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        const void *normed = residual != NULL ? residual : x;
-        for (int64_t j = 0; j < dim; j++) {
-            float v = held(get(normed, at + j, dtype) * inv, dtype);
-            put(out, at + j, get(weight, j, dtype) * v, dtype);
-        }
+/* RMSNorm of the dim values at x + at into out + out_at, in the order Hugging Face computes it,
+ * in float32 from x * rsqrt(mean(x^2) + eps): Llama's (gemma 0) rounds that to the dtype, then
+ * multiplies by the weight (one more rounding); Gemma's (gemma 1) multiplies by (1 + weight)
+ * in float32 and rounds once. In place (out == x, out_at == at) is fine: the row is read whole
+ * before it is written. */
+static inline __attribute__((always_inline)) void norm_row(
+    const void *x, int64_t at, const void *weight, void *out, int64_t out_at, int64_t dim,
+    float eps, const int gemma, const int dtype) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < dim; j++) {
+        float v = get(x, at + j, dtype);
+        sum += v * v;
+    }
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t j = 0; j < dim; j++) {
+        float v = get(x, at + j, dtype) * inv, w = get(weight, j, dtype);
+        put(out, out_at + j, gemma ? v * (1.0f + w) : w * held(v, dtype), dtype);
     }
 }
 
+/* RMSNorm over rows of x: (rows, dim), written to out. With a residual, the row normalised is
+ * residual + x (rounded to the dtype, as torch's add), which is stored back into residual first
+ * (the decoder's skip connection, one pass instead of an add and a norm). */
+static inline __attribute__((always_inline)) void rms_norm_rows(
+    const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
+    float eps, const int gemma, const int dtype) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t at = r * dim;
+        if (residual != NULL)
+            for (int64_t j = 0; j < dim; j++)
+                put(residual, at + j, get(residual, at + j, dtype) + get(x, at + j, dtype), dtype);
+        norm_row(residual != NULL ? residual : x, at, weight, out, at, dim, eps, gemma, dtype);
+    }
+}
+
+/* gemma: 0 for Llama's rounding, 1 for Gemma's (1 + weight); see norm_row. */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
-              int64_t dim, float eps, int dtype) {
-    WITH_DTYPE(dtype, rms_norm_rows, x, residual, weight, out, rows, dim, eps);
+              int64_t dim, float eps, int gemma, int dtype) {
+    if (gemma)
+        WITH_DTYPE(dtype, rms_norm_rows, x, residual, weight, out, rows, dim, eps, 1);
+    else
+        WITH_DTYPE(dtype, rms_norm_rows, x, residual, weight, out, rows, dim, eps, 0);
+}
+
+static inline __attribute__((always_inline)) void norm_heads(
+    void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d, const void *weight,
+    float eps, const int gemma, const int dtype) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t at = t * token_stride + h * d;
+            norm_row(x, at, weight, x, at, d, eps, gemma, dtype);
+        }
+}
+
+/* Per-head RMSNorm in place (Qwen3's and Gemma 3's q/k norms): x (tokens, heads, d), each
+ * head's d values contiguous, heads back to back, rows token_stride elements apart (q or k
+ * inside the fused projection's rows); weight (d,). */
+void rms_norm_heads(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
+                    const void *weight, float eps, int gemma, int dtype) {
+    if (gemma)
+        WITH_DTYPE(dtype, norm_heads, x, token_stride, tokens, heads, d, weight, eps, 1);
+    else
+        WITH_DTYPE(dtype, norm_heads, x, token_stride, tokens, heads, d, weight, eps, 0);
 }
 
 /* Rotary embedding in place (rotate-half form) on x: (tokens, heads, d) with rows token_stride
- * elements apart and each head's d values contiguous; cos, sin: (positions, d) float32 tables.
- * Computed in float32, as the reference does, and rounded once to the dtype. */
+ * elements apart and each head's d values contiguous; cos, sin: (positions, rotary_dim) float32
+ * tables. The first rotary_dim values of each head are rotated (halves rotary_dim / 2 apart),
+ * the rest left as they are (Phi-3's partial rotary; rotary_dim = d for the others). Computed
+ * in float32, as the reference does, and rounded once to the dtype. */
 static inline __attribute__((always_inline)) void rope_rows(
-    void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
+    void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d, int64_t rotary_dim,
     const int64_t *positions, const float *cos, const float *sin, const int dtype) {
-    int64_t half = d / 2;
+    int64_t half = rotary_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+        const float *c = cos + positions[t] * rotary_dim, *s = sin + positions[t] * rotary_dim;
         for (int64_t h = 0; h < heads; h++) {
             int64_t at = t * token_stride + h * d;
             for (int64_t j = 0; j < half; j++) {
@@ -471,28 +515,49 @@ static inline __attribute__((always_inline)) void rope_rows(
 }
 
 void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
-          const int64_t *positions, const float *cos, const float *sin, int dtype) {
-    WITH_DTYPE(dtype, rope_rows, x, token_stride, tokens, heads, d, positions, cos, sin);
+          int64_t rotary_dim, const int64_t *positions, const float *cos, const float *sin,
+          int dtype) {
+    WITH_DTYPE(dtype, rope_rows, x, token_stride, tokens, heads, d, rotary_dim, positions, cos,
+               sin);
 }
 
-/* The MLP's activation: silu(gate) * up over rows of gate_up (rows, 2 * inter), the gate's
- * inter values then the up's, into out (rows, inter); each op rounded to the dtype as torch's
- * silu and product are. exp_clamped for torch's vectorised exp: both within about one unit in
- * the last place of float32. */
-static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out,
-                                                                int64_t rows, int64_t inter,
-                                                                const int dtype) {
+/* The activations of the gated MLPs, in float32 (torch computes a bfloat16 tensor's in float32
+ * and rounds once). exp_clamped and tanh_clamped stand for torch's vectorised exp and tanh: all
+ * within a unit or two in the last place of float32. */
+enum { SILU = 0, GELU_TANH = 1 };
+
+static inline float silu(float g) {
+    float y = g / (1.0f + exp_clamped(-g));
+    return g == -INFINITY ? NAN : y; /* torch: -inf / inf */
+}
+
+/* torch's gelu(approximate="tanh"), its operations in its order (Gemma's gelu_pytorch_tanh). */
+static inline float gelu_tanh(float g) {
+    float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    return 0.5f * g * (1.0f + tanh_clamped(inner));
+}
+
+/* act(gate) * up over rows of gate_up (rows, 2 * inter), the gate's inter values then the up's,
+ * into out (rows, inter); each op rounded to the dtype as torch's activation and product are. */
+static inline __attribute__((always_inline)) void gated_rows(const void *gate_up, void *out,
+                                                             int64_t rows, int64_t inter,
+                                                             const int act, const int dtype) {
     for (int64_t r = 0; r < rows; r++) {
         int64_t gate = r * 2 * inter, up = gate + inter;
         for (int64_t j = 0; j < inter; j++) {
             float g = get(gate_up, gate + j, dtype);
-            float silu = g / (1.0f + exp_clamped(-g));
-            silu = held(g == -INFINITY ? NAN : silu, dtype); /* torch: -inf / inf */
-            put(out, r * inter + j, silu * get(gate_up, up + j, dtype), dtype);
+            float a = held(act == SILU ? silu(g) : gelu_tanh(g), dtype);
+            put(out, r * inter + j, a * get(gate_up, up + j, dtype), dtype);
         }
     }
 }
 
+/* silu(gate) * up (Llama's MLP). */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
-    WITH_DTYPE(dtype, silu_mul_rows, gate_up, out, rows, inter);
+    WITH_DTYPE(dtype, gated_rows, gate_up, out, rows, inter, SILU);
+}
+
+/* gelu_tanh(gate) * up (Gemma's MLP). */
+void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
+    WITH_DTYPE(dtype, gated_rows, gate_up, out, rows, inter, GELU_TANH);
 }

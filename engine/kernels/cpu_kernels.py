@@ -50,12 +50,17 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # name: (result, arguments), as the C declares them
-    "paged_decode": (_int, [_p, _p, _p, _int, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _int]),
-    "paged_prefill": (_int, [_p, _p, _p, _int, _p, _p, _p, _p, *[_i64] * 7, _f32, _int]),
+    "paged_decode": (_int, [_p, _p, _p, _int, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _p, _int]),
+    "paged_prefill": (
+        _int,
+        [_p, _p, _p, _int, _p, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _p, _int],
+    ),
     "store_kv": (None, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]),
-    "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int]),
-    "rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
+    "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int, _int]),
+    "rms_norm_heads": (None, [_p, _i64, _i64, _i64, _i64, _p, _f32, _int, _int]),
+    "rope": (None, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
     "silu_mul": (None, [_p, _p, _i64, _i64, _int]),
+    "gelu_tanh_mul": (None, [_p, _p, _i64, _i64, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
@@ -97,6 +102,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: (batch, num_heads, head_dim)."""
     lib = library()
@@ -106,13 +112,14 @@ def paged_decode_attention(
     q32 = q.float().contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    sinks32 = _sink_logits(sinks, num_heads)
     out = torch.empty(batch, num_heads, head_dim)
     status = _run(
         "paged_decode",
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
         head_dim, block_size, k_cache.stride(0), tables.shape[1], scale, sliding_window or 0,
-        soft_cap or 0.0, torch.get_num_threads(),
+        soft_cap or 0.0, _pointer(sinks32), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention: no memory for the scores")
@@ -129,45 +136,10 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_prefill_attention_ref: q's shape. Plain causal attention
-    runs as cpu_kernels.c's tiles (`paged_prefill`); with a sliding window or a soft cap each new
-    token is attended as a decode query over its own prefix, a bfloat16 cache widened once per
-    sequence first, not once per query. 8 prompts of 191 tokens of SmolLM2, 30 layers: tiles
-    0.17 s, decode queries 0.25, the torch path 0.42."""
-    if sliding_window is None and soft_cap is None:
-        return _tiled_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
-    block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
-    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for b, total in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        if start == end:
-            continue  # an empty chunk
-        num_blocks = -(-total // block_size)
-        k, v, table = k_cache, v_cache, block_tables[b, :num_blocks]
-        if k_cache.dtype != torch.float32:
-            k, v = k.index_select(0, table).float(), v.index_select(0, table).float()
-            table = torch.arange(num_blocks, dtype=torch.int32)
-        queries = end - start
-        own_lens = torch.arange(total - queries + 1, total + 1, dtype=torch.int32)
-        out[start:end] = paged_decode_attention(
-            q[start:end], k, v, table.expand(queries, -1), own_lens, scale, sliding_window,
-            soft_cap,
-        )  # fmt: skip
-    return out
-
-
-def _tiled_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """cpu_kernels.c's paged_prefill: every sequence's new tokens in one call."""
+    """Same contract as reference.paged_prefill_attention_ref: q's shape. Every sequence's new
+    tokens in one call, as cpu_kernels.c's tiles (`paged_prefill`; timings in its comment)."""
     lib = library()
     assert lib is not None and k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_dim = q.shape
@@ -176,17 +148,30 @@ def _tiled_prefill(
     tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    sinks32 = _sink_logits(sinks, num_heads)
     out = torch.empty(num_tokens, num_heads, head_dim)
     status = _run(
         "paged_prefill",
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0), tables.shape[1], scale,
-        torch.get_num_threads(),
+        sliding_window or 0, soft_cap or 0.0, _pointer(sinks32), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged prefill attention: no memory for its scratch")
     return out.to(q.dtype)
+
+
+def _sink_logits(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """The attention sinks as the kernels read them: (num_heads,) float32, contiguous."""
+    if sinks is None:
+        return None
+    assert sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)} for {num_heads} heads"
+    return sinks.detach().to("cpu", torch.float32).contiguous()
+
+
+def _pointer(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
 
 
 def store_kv(
@@ -209,10 +194,16 @@ def store_kv(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> torch.Tensor:
-    """model.RMSNorm's maths on x: (..., dim); with `residual`, of residual + x, which is written
-    back into residual (contiguous, x's dtype) as the decoder's skip connection."""
+    """RMSNorm of x: (..., dim); with `residual`, of residual + x, which is written back into
+    residual (contiguous, x's dtype) as the decoder's skip connection. Llama's rounding
+    (Hugging Face's LlamaRMSNorm: normalise in float32, round, times the weight), or with
+    `gemma` Gemma's (normalise and times 1 + weight in float32, round once)."""
     lib = library()
     assert lib is not None and weight.dtype == x.dtype
     x = x.contiguous()
@@ -221,22 +212,46 @@ def rms_norm(
         assert residual.is_contiguous() and residual.dtype == x.dtype
     _run(
         "rms_norm",
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPE_CODES[x.dtype],
+        x.data_ptr(), _pointer(residual), weight.data_ptr(), out.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, int(gemma), DTYPE_CODES[x.dtype],
     )  # fmt: skip
     return out
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> None:
+    """Per-head RMSNorm in place of x: (tokens, heads, head_dim), each head's values contiguous
+    and heads back to back, tokens any stride (q or k as views into the fused qkv rows):
+    Qwen3's q/k norms (Llama's rounding) or Gemma 3's (`gemma`); weight (head_dim,)."""
+    lib = library()
+    assert lib is not None and weight.dtype == x.dtype and weight.shape == x.shape[2:]
+    assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    _run(
+        "rms_norm_heads",
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], weight.data_ptr(), eps,
+        int(gemma), DTYPE_CODES[x.dtype],
+    )  # fmt: skip
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up (..., 2 * inter), the gate's values first: one pass instead of
     torch's silu, split and product (and their two intermediate tensors)."""
+    return _gated("silu_mul", gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up (Gemma's MLP, Hugging Face's gelu_pytorch_tanh), as
+    silu_mul."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     lib = library()
     assert lib is not None and gate_up.dtype in DTYPE_CODES
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     _run(
-        "silu_mul", gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+        name, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
         DTYPE_CODES[gate_up.dtype],
     )  # fmt: skip
     return out
@@ -245,14 +260,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x: (tokens, heads, head_dim) in place; each head's row contiguous, tokens any
     stride (q and k can be views into the fused projection's output). cos, sin: float32
-    (max_positions, head_dim) tables."""
+    (max_positions, rotary_dim) tables: the first rotary_dim values of each head are rotated
+    (rotate-half within them), the rest pass through (Phi-3's partial rotary)."""
     lib = library()
     assert lib is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    rotary_dim = cos.shape[-1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= x.shape[2] and cos.shape == sin.shape
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     positions = positions.to(torch.int64).contiguous()
     _run(
         "rope",
-        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], positions.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[x.dtype],
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], rotary_dim,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[x.dtype],
     )  # fmt: skip
 
 

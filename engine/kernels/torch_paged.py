@@ -9,7 +9,9 @@ matrix multiply wants. On a CPU those copies are most of a decode step. Here:
   keys and values in place as strided matrices, which batched matrix multiplies take without a
   copy; the mask is an additive bias folded into the first multiply;
 - prefill/extend runs each sequence's chunk as two batched multiplies per KV head, with the query
-  heads that share it stacked (soft-capping takes the reference).
+  heads that share it stacked.
+Soft caps and attention sinks (gpt-oss: one more logit per query head in each softmax, with no
+value) are applied to the scores between the two multiplies.
 
 Both compute in float32 like the reference; tests/unit/engine/kernels/test_kernels.py holds them
 to it.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.reference import key_mask, paged_prefill_attention_ref
+from engine.kernels.reference import key_mask
 
 # K and V of one group of decode sequences: about what a CPU core's caches keep while the group's
 # multiplies read them back (measured on the tiny model: half the time of one whole-batch group).
@@ -82,6 +84,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     plan: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: (batch, num_heads, head_dim).
@@ -90,7 +93,9 @@ def paged_decode_attention(
         plan = plan_decode(k_cache, block_tables, context_lens, sliding_window)
     out = torch.empty_like(q)
     for group in plan:
-        out[group.seqs] = _attend_group(q[group.seqs], k_cache, v_cache, group, scale, soft_cap)
+        out[group.seqs] = _attend_group(
+            q[group.seqs], k_cache, v_cache, group, scale, soft_cap, sinks
+        )
     return out
 
 
@@ -101,6 +106,7 @@ def _attend_group(
     group: DecodeGroup,
     scale: float,
     soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -109,6 +115,7 @@ def _attend_group(
     v = v_cache.index_select(0, group.block_ids).view(kv_shape).float()
     group_size = num_heads // num_kv_heads
     qg = q.view(batch, num_kv_heads, group_size, head_dim).float()
+    sink = None if sinks is None else sinks.float().view(num_kv_heads, 1, group_size, 1)
     out = torch.empty(num_kv_heads, batch, group_size, head_dim, device=q.device)
     for h in range(num_kv_heads):
         keys_t = k[:, :, h].transpose(1, 2)  # (batch, head_dim, padded_len), a strided view
@@ -118,7 +125,8 @@ def _attend_group(
             scores = torch.bmm(qg[:, h], keys_t).mul_(scale / soft_cap).tanh_()
             scores = scores.mul_(soft_cap).add_(group.bias)
         # Every row keeps its own position (the query token), so no row is all -inf.
-        torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[h])
+        probs = _softmax(scores, None if sink is None else sink[h])
+        torch.bmm(probs, v[:, :, h], out=out[h])
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
@@ -132,13 +140,9 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention_ref: q's shape."""
-    if soft_cap is not None:
-        return paged_prefill_attention_ref(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            sliding_window, soft_cap,
-        )  # fmt: skip
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -152,12 +156,18 @@ def paged_prefill_attention(
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
         query_pos = torch.arange(total - (end - start), total, device=q.device)
         allowed = key_mask(query_pos[None], context_lens[b : b + 1].long(), total, sliding_window)
-        out[start:end] = _attend_chunk(q[start:end], k, v, allowed[0], scale)
+        out[start:end] = _attend_chunk(q[start:end], k, v, allowed[0], scale, soft_cap, sinks)
     return out
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One sequence's chunk, q: (q_len, num_heads, d), over k, v: (num_keys, num_kv_heads, d)
     with allowed: (q_len, num_keys). The query heads that share a KV head are stacked into one
@@ -171,12 +181,17 @@ def _attend_chunk(
     stacked = stacked.reshape(num_kv_heads, group * q_len, head_dim)
     bias = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, -math.inf)
     bias = bias.repeat(group, 1)
+    sink = None  # (num_kv_heads, group * q_len, 1): each stacked row's head's sink
+    if sinks is not None:
+        sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, -1)
+        sink = sink.reshape(num_kv_heads, group * q_len, 1)
     if _onednn_runs(q):
-        attended = _attend_onednn(stacked, k.float(), v.float(), bias, scale)
+        attended = _attend_onednn(stacked, k.float(), v.float(), bias, scale, soft_cap, sink)
     else:
-        scores = torch.baddbmm(bias, stacked, k.float().permute(1, 2, 0), alpha=scale)
+        scores = torch.bmm(stacked, k.float().permute(1, 2, 0))
         # Every query sees its own position, so no row is all -inf.
-        attended = torch.bmm(torch.softmax(scores, dim=-1), v.float().transpose(0, 1))
+        probs = _softmax(_logits(scores, bias, scale, soft_cap), sink)
+        attended = torch.bmm(probs, v.float().transpose(0, 1))
     attended = attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
     return attended.reshape(q_len, num_heads, head_dim).to(q.dtype)
 
@@ -186,7 +201,13 @@ def _onednn_runs(x: torch.Tensor) -> bool:
 
 
 def _attend_onednn(
-    stacked: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    stacked: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sink: torch.Tensor | None,
 ) -> torch.Tensor:
     """The same two multiplies per KV head through oneDNN's matmul (as engine/linear.py, for
     the same reason: torch's CPU bmm calls MKL, which takes a generic path on AMD hosts). About
@@ -195,7 +216,29 @@ def _attend_onednn(
     out = torch.empty_like(stacked)
     for head in range(stacked.shape[0]):
         scores = linear(stacked[head], k[:, head].contiguous(), None, "none", [], "")
-        scores.mul_(scale).add_(bias)
-        probs = torch.softmax(scores, dim=-1)  # every query sees its own position: no -inf row
+        logits = _logits(scores, bias, scale, soft_cap)
+        # every query sees its own position: no -inf row
+        probs = _softmax(logits, None if sink is None else sink[head])
         out[head] = linear(probs, v[:, head].t().contiguous(), None, "none", [], "")
     return out
+
+
+def _logits(
+    scores: torch.Tensor, bias: torch.Tensor, scale: float, soft_cap: float | None
+) -> torch.Tensor:
+    """q . k scores (overwritten) to the softmax's logits: scaled, soft-capped
+    (cap * tanh(s / cap)), then masked by the additive bias."""
+    scores.mul_(scale)
+    if soft_cap is not None:
+        scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    return scores.add_(bias)
+
+
+def _softmax(logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with `sink` (logits' shape with a last dim of 1, or one that
+    broadcasts to it), the sink's logit joins each row as one more key whose probability is
+    then dropped (reference.attend)."""
+    if sink is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sink.expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]

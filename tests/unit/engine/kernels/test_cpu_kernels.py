@@ -3,6 +3,7 @@ the torch modules, the dispatch that picks them, and the fallback when they cann
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from common.sampling_params import SamplingParams
 from engine import attention
@@ -20,8 +26,8 @@ from engine.kernels.reference import (
     store_kv_ref,
 )
 from engine.llm import LLM
-from engine.model import RMSNorm, RotaryEmbedding
 from engine.model_config import RopeConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding
 from tests.paged_cache import PagedCache, assert_close
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -187,7 +193,7 @@ def test_silu_mul_matches_torch_over_the_whole_float_range(dtype: torch.dtype) -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype) -> None:
     torch.manual_seed(6)
-    rotary = RotaryEmbedding(64, 512, RopeConfig(kind="default", theta=10000.0))
+    rotary = RotaryEmbedding(RopeConfig(kind="default", theta=10000.0), 64, 512)
     qkv = torch.randn(5, (4 + 2 * 2) * 64).to(dtype)  # 4 query heads, 2 KV heads
     q, k, _ = qkv.split([256, 128, 128], dim=-1)
     q, k = q.reshape(5, 4, 64), k.reshape(5, 2, 64)  # strided views, as the model makes them
@@ -272,8 +278,10 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
     the two agree to bfloat16's rounding."""
     from engine.kv_cache import KVCache
     from engine.linear import pack_linear_layers
-    from engine.model import AttentionMetadata, CausalLM, use_c_decode_step, use_cpu_kernels
     from engine.model_config import ModelConfig
+    from engine.models import llama
+    from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
+    from engine.models.layers import AttentionMetadata
 
     torch.manual_seed(3)
     config = ModelConfig(
@@ -283,11 +291,12 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
         tie_word_embeddings=True, attention_bias=True, qk_norm=False, sliding_window=9,
         eos_token_ids=(0,), torch_dtype="float32",
     )  # fmt: skip
-    model = CausalLM(config).eval()
+    model = llama.build(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
     model = model.to(dtype)
+    model.attach_rotary(config.max_position_embeddings)  # float32 tables, as load_model makes
     pack_linear_layers(model, layout, decode_copy=layout == "onednn")  # type: ignore[arg-type]
     use_cpu_kernels(model)
     assert use_c_decode_step(model)
@@ -322,3 +331,162 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
         torch.testing.assert_close(
             caches[0].pool.float(), caches[1].pool.float(), rtol=0.05, atol=0.05
         )
+
+
+SINKS = {  # per-head logits: ordinary, larger than every score, smaller than every score
+    "ordinary": lambda n: torch.randn(n),
+    "very_large": lambda n: torch.full((n,), 1e4),
+    "very_negative": lambda n: torch.full((n,), -1e4),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("sink_kind", list(SINKS))
+def test_attention_sinks_with_windows_and_soft_caps_match_the_reference(
+    dtype: torch.dtype, backend: attention.AttentionBackend, sink_kind: str
+) -> None:
+    """gpt-oss's sinks on both CPU paths, decode and prefill, with no window, a window shorter
+    than some contexts, one longer than all (gpt-oss alternates those), and a soft cap."""
+    torch.manual_seed(8)
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    sinks = SINKS[sink_kind](num_heads)
+    prefix_lens, q_lens = [0, 45, 19, 3], [40, 1, 22, 1]
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = cpu_cache(lens, num_kv_heads, head_dim, 16, dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q_prefill = (4 * torch.randn(sum(q_lens), num_heads, head_dim)).to(dtype)
+    q_decode = (4 * torch.randn(len(lens), num_heads, head_dim)).to(dtype)
+    tables, context_lens = cache.block_tables, cache.context_lens
+    for window, cap in [(None, None), (16, None), (1000, None), (9, 5.0)]:
+        decode_args = (q_decode, cache.k, cache.v, tables, context_lens, head_dim**-0.5)
+        expected = paged_decode_attention_ref(*decode_args, window, cap, sinks)
+        got = attention.decode_attention(*decode_args, window, cap, sinks=sinks, backend=backend)
+        assert_close(got, expected)
+        prefill_args = (q_prefill, cache.k, cache.v, tables, cu, context_lens, head_dim**-0.5)
+        expected = paged_prefill_attention_ref(*prefill_args, window, cap, sinks)
+        got = attention.prefill_attention(*prefill_args, window, cap, sinks=sinks, backend=backend)
+        assert_close(got, expected)
+
+
+def test_a_sink_lowers_the_weights_of_the_values_as_softmax_says() -> None:
+    """One key per sequence: its weight is 1 / (1 + e^(sink - score)), so the output is that
+    fraction of its value (a check of the sink's place in the sum, not only of agreement)."""
+    cache = cpu_cache([1], 1, 8, 16, torch.float32)
+    q = torch.zeros(1, 2, 8)  # score 0 for both heads
+    sinks = torch.tensor([0.0, math.log(3.0)])
+    out = cpu_kernels.paged_decode_attention(
+        q, cache.k, cache.v, cache.block_tables, cache.context_lens, 1.0, sinks=sinks
+    )
+    value = cache.v[cache.block_tables[0, 0], 0, 0]
+    torch.testing.assert_close(out[0], torch.stack([value / 2, value / 4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_tiles_skip_keys_before_the_window_of_a_long_cached_prefix(
+    dtype: torch.dtype,
+) -> None:
+    """A chunk after a prefix longer than the window (keys before it never gathered), windows
+    of one token and of exactly the chunk, group sizes that split the tiles unevenly."""
+    torch.manual_seed(9)
+    prefix_lens, q_lens = [300, 130, 0], [37, 1, 5]
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    for num_heads, num_kv_heads in [(5, 1), (6, 3)]:
+        cache = cpu_cache(lens, num_kv_heads, 32, 16, dtype)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = (3 * torch.randn(sum(q_lens), num_heads, 32)).to(dtype)
+        args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 32**-0.5)
+        for window, cap in [(1, None), (37, None), (64, 20.0), (5, 2.0)]:
+            expected = paged_prefill_attention_ref(*args, window, cap)
+            assert_close(cpu_kernels.paged_prefill_attention(*args, window, cap), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_torch_over_the_whole_float_range(dtype: torch.dtype) -> None:
+    """Hugging Face's gelu_pytorch_tanh (torch's gelu, approximate="tanh") times up, each
+    rounded to the dtype as torch's ops round: from where tanh saturates to infinities."""
+    torch.manual_seed(10)
+    gate = torch.cat([20 * torch.randn(600), torch.linspace(-8, 8, 801)])
+    gate = torch.cat([gate, torch.tensor([-200.0, 0.0, 200.0, float("inf"), float("-inf")])])
+    gate_up = torch.cat([gate, 3 * torch.randn(len(gate))])[None].repeat(3, 1).to(dtype)
+    gate_part, up_part = gate_up.split(len(gate), dim=-1)
+    expected = nn.functional.gelu(gate_part, approximate="tanh") * up_part
+    got = cpu_kernels.gelu_tanh_mul(gate_up)
+    finite, infinite = expected.isfinite(), expected.isinf()
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got[infinite], expected[infinite])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-6)
+    else:
+        assert_close(got[finite], expected[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_and_its_residual_add_match_hugging_face(dtype: torch.dtype) -> None:
+    """Gemma's (1 + weight) norm, rounded once: Hugging Face's Gemma2RMSNorm, in both dtypes."""
+    torch.manual_seed(11)
+    norm = Gemma2RMSNorm(96, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, residual = (3 * torch.randn(7, 96)).to(dtype), torch.randn(7, 96).to(dtype)
+    with torch.no_grad():
+        expected, expected_after_add = norm(x), norm(residual + x)
+    assert_close(cpu_kernels.rms_norm(x, norm.weight.data, 1e-6, gemma=True), expected)
+    summed = residual.clone()
+    out = cpu_kernels.rms_norm(x, norm.weight.data, 1e-6, summed, gemma=True)
+    assert torch.equal(summed, residual + x)
+    assert_close(out, expected_after_add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_heads_normalises_q_and_k_inside_the_fused_qkv_rows(
+    dtype: torch.dtype, gemma: bool
+) -> None:
+    """Qwen3's q/k norms (Llama's rounding) and Gemma 3's ((1 + weight)), in place on strided
+    views of the qkv projection's output; v and the other rows' parts stay as they were."""
+    torch.manual_seed(12)
+    module = Gemma3RMSNorm if gemma else Qwen3RMSNorm
+    q_norm, k_norm = module(64, eps=1e-6).to(dtype), module(64, eps=1e-6).to(dtype)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = torch.randn(64).to(dtype)
+    qkv = (3 * torch.randn(9, (4 + 2 * 2) * 64)).to(dtype)  # 4 query heads, 2 KV heads
+    q, k, _ = qkv.split([256, 128, 128], dim=-1)
+    q, k = q.view(9, 4, 64), k.view(9, 2, 64)  # token stride 512
+    with torch.no_grad():
+        expected_q, expected_k = q_norm(q), k_norm(k)
+    v_before = qkv[:, 384:].clone()
+    cpu_kernels.rms_norm_heads_(q, q_norm.weight.data, 1e-6, gemma)
+    cpu_kernels.rms_norm_heads_(k, k_norm.weight.data, 1e-6, gemma)
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+    assert torch.equal(qkv[:, 384:], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_rotates_the_first_rotary_dim_and_passes_the_rest(
+    dtype: torch.dtype,
+) -> None:
+    """Phi-4-mini's partial rotary (factor 0.75 of head_dim 128): Hugging Face's Phi-3
+    apply_rotary_pos_emb on float32 tables, computed in float32 and rounded once (the
+    engine's convention for bfloat16, as for the full rotary)."""
+    torch.manual_seed(13)
+    head_dim, rotary_dim = 128, 96
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(300).float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    qkv = torch.randn(6, (3 + 2 * 1) * head_dim).to(dtype)  # 3 query heads, 1 KV head
+    q, k, _ = qkv.split([3 * head_dim, head_dim, head_dim], dim=-1)
+    q, k = q.view(6, 3, head_dim), k.view(6, 1, head_dim)
+    positions = torch.tensor([0, 1, 17, 299, 64, 5])
+    hf_q, hf_k = phi3_rotary(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+        cos[positions][None], sin[positions][None],
+    )  # fmt: skip
+    expected_q, expected_k = hf_q[0].transpose(0, 1).to(dtype), hf_k[0].transpose(0, 1).to(dtype)
+    v_before = qkv[:, 4 * head_dim :].clone()
+    cpu_kernels.rope_(q, positions, cos, sin)
+    cpu_kernels.rope_(k, positions, cos, sin)
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+    assert torch.equal(q[..., rotary_dim:], expected_q[..., rotary_dim:])  # passed through
+    assert torch.equal(qkv[:, 4 * head_dim :], v_before)
