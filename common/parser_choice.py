@@ -12,8 +12,9 @@ from typing import Literal, get_args
 
 import msgspec
 
-ReasoningParserName = Literal["qwen3", "deepseek-r1"]
-ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3"]
+# "harmony" (gpt-oss) is both: its channels carry reasoning, content and calls alike
+ReasoningParserName = Literal["qwen3", "deepseek-r1", "harmony"]
+ToolParserName = Literal["hermes", "qwen3", "llama3_json", "mistral", "deepseek_v3", "harmony"]
 REASONING_PARSER_NAMES: frozenset[str] = frozenset(get_args(ReasoningParserName))
 TOOL_PARSER_NAMES: frozenset[str] = frozenset(get_args(ToolParserName))
 
@@ -21,6 +22,7 @@ REASONING_PARSER_FOR_MODEL_TYPE: dict[str, ReasoningParserName] = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3",
     "deepseek_v3": "deepseek-r1",
+    "gpt_oss": "harmony",
 }
 
 TOOL_PARSER_FOR_MODEL_TYPE: dict[str, ToolParserName] = {
@@ -31,7 +33,10 @@ TOOL_PARSER_FOR_MODEL_TYPE: dict[str, ToolParserName] = {
     "llama": "llama3_json",
     "mistral": "mistral",
     "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "harmony",
 }
+# Models whose prompts are rendered in harmony (common/harmony.py), not by a chat template.
+HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
 DEFAULT_TOOL_PARSER: ToolParserName = "hermes"
 
 

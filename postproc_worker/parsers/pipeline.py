@@ -7,6 +7,9 @@ The frontend asks for parsers in `OutputOptions.parser_state` (common/parser_cho
 postproc worker then decodes the choice with special tokens kept, whatever `skip_special_tokens`
 says, so that markers which are special tokens (`[TOOL_CALLS]`, `<｜tool▁calls▁begin｜>`) reach
 the parsers, and removes the other special tokens (`<|im_end|>`, `<|eot_id|>`) here.
+
+Harmony (gpt-oss) is one parser for both: the channels carry the reasoning, the content and the
+calls (harmony.py), so "harmony" as either parser name runs it in place of the two.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from common.openai_schema import (
 )
 from common.parser_choice import ParserState
 from common.tokenizer import Tokenizer
+from postproc_worker.parsers.harmony import HarmonyParser
 from postproc_worker.parsers.markers import MarkerFilter, Markers
 from postproc_worker.parsers.reasoning import REASONING_PARSERS, ReasoningParser
 from postproc_worker.parsers.tools import (
@@ -98,15 +102,23 @@ class ChoiceParsers:
     """One choice's parsers, fed its visible text delta by delta (or all at once, non-streaming)."""
 
     def __init__(self, state: ParserState, special_texts: frozenset[str]) -> None:
+        channels = state.reasoning_parser is not None and (
+            REASONING_PARSERS[state.reasoning_parser].channels
+        )
+        self._harmony = (
+            HarmonyParser(parse_tools=state.tool_parser is not None)
+            if channels or state.tool_parser == "harmony"
+            else None
+        )
         self._reasoning = (
             ReasoningParser(
                 REASONING_PARSERS[state.reasoning_parser],
                 False if state.in_tool_call else state.thinking,  # a forced call is not thought
             )
-            if state.reasoning_parser is not None
+            if state.reasoning_parser is not None and self._harmony is None
             else None
         )
-        self._tools: ToolParser | None = (
+        self._tools: ToolParser | None = self._harmony or (
             TOOL_PARSERS[state.tool_parser](in_tool_call=state.in_tool_call)
             if state.tool_parser is not None
             else None
@@ -136,6 +148,8 @@ class ChoiceParsers:
         events = self._tools.feed(content)
         if final:
             events += self._tools.finish()
+        if self._harmony is not None:
+            reasoning = self._harmony.take_reasoning()
         return ParsedText(reasoning, events)
 
 

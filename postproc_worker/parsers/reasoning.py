@@ -30,11 +30,15 @@ class ReasoningFormat:
     start: str = THINK_START
     end: str = THINK_END
     reasoning_at_start: bool = False  # when the prompt did not say: the output starts inside
+    # harmony: no tags, the analysis channel is the reasoning, split out with the calls by
+    # parsers/harmony.py (pipeline.py runs that parser instead)
+    channels: bool = False
 
 
 REASONING_PARSERS: dict[ReasoningParserName, ReasoningFormat] = {
     "qwen3": ReasoningFormat(),
     "deepseek-r1": ReasoningFormat(reasoning_at_start=True),
+    "harmony": ReasoningFormat(start="", end="", channels=True),
 }
 
 

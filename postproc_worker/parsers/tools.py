@@ -416,6 +416,8 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
 
+# "harmony": parsers/harmony.py adds its parser (a ToolParser that also keeps the reasoning);
+# the package's __init__ imports it, so the entry is there whenever this module is.
 TOOL_PARSERS: dict[ToolParserName, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3": HermesToolParser,
