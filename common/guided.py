@@ -16,6 +16,16 @@ One grammar per request, whatever asked for it:
 
 Calls take the format of the tool parser in use (`tool_parser`), the one the chat template or
 frontend/tool_prompt.py teaches the model and the postproc worker reads.
+
+Harmony (gpt-oss) outputs are messages: a constrained output may open with one free analysis
+message (the model reasons before anything: forbidding it would push it off its training),
+then what the constraint asks for, in its channel:
+
+    required / named   <|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}
+                       <|call|>: one call (<|call|> is a stop token: one call per output)
+    none               <|channel|>final<|message|> any text: no call
+    response_format,   <|channel|>final<|message|> and the constraint on the answer's text
+    guided_*           (`final_answer`: the request's grammar nested under the final header)
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Any, Literal
 
 import llguidance
 
+from common import harmony
 from common.errors import InvalidRequest
 from common.sampling_params import GuidedDecoding
 
@@ -51,6 +62,16 @@ class CallFormat:
     end: str = ""  # after the last
     arguments_key: str = "arguments"
     markers: tuple[str, ...] = ()
+    # harmony: the message a constrained output may open with ("{text}": free), where the
+    # answer goes ("{answer}"), and whether a call ends the output (one call per output)
+    thought: str = ""
+    answer: str = "{answer}"
+    single: bool = False
+
+    @property
+    def channels(self) -> bool:
+        """Harmony: calls and answers are messages of their own, never inside the text."""
+        return bool(self.thought)
 
 
 _HERMES = CallFormat("<tool_call>\n{json}\n</tool_call>", markers=("<tool_call>", "</tool_call>"))
@@ -70,6 +91,15 @@ CALL_FORMATS: dict[str, CallFormat] = {
         separator="",
         end="<｜tool▁calls▁end｜>",
         markers=_DEEPSEEK_MARKERS,
+    ),
+    "harmony": CallFormat(
+        harmony.call_header("{name}") + "{arguments}" + harmony.CALL,
+        separator="",
+        markers=harmony.MARKERS,
+        thought=f"{harmony.CHANNEL}analysis{harmony.MESSAGE}{{text}}{harmony.END}"
+        f"{harmony.GENERATION_PROMPT}",
+        answer=f"{harmony.CHANNEL}final{harmony.MESSAGE}{{answer}}",
+        single=True,
     ),
 }
 
@@ -97,20 +127,45 @@ class CallSyntax:
             f"<[{ids[p]}]>" if p in ids else json.dumps(p, ensure_ascii=False) for p in pieces if p
         )
 
+    def fill(self, template: str, values: dict[str, str]) -> str:
+        """Lark for `template` with its placeholders (keys of `values`) replaced by Lark."""
+        pattern = "(" + "|".join(map(re.escape, values)) + ")"
+        pieces = re.split(pattern, template)
+        return " ".join(values[p] if p in values else self.literal(p) for p in pieces if p)
+
     def call(self, function: dict[str, Any]) -> str:
         """Lark for one call of `function`."""
-        values = {
-            "{json}": _json_rule(tool_call_schema(function, self.format.arguments_key)),
-            "{arguments}": _json_rule(_parameters(function)),
-            "{name}": json.dumps(function["name"], ensure_ascii=False),
-        }
-        pieces = re.split(r"(\{json\}|\{arguments\}|\{name\})", self.format.call)
-        return " ".join(values[p] if p in values else self.literal(p) for p in pieces if p)
+        return self.fill(
+            self.format.call,
+            {
+                "{json}": _json_rule(tool_call_schema(function, self.format.arguments_key)),
+                "{arguments}": _json_rule(_parameters(function)),
+                "{name}": json.dumps(function["name"], ensure_ascii=False),
+            },
+        )
+
+    def thought(self, thinking: ThinkingMode) -> str:
+        """Lark for what may come before the calls or the answer (its own trailing space)."""
+        if not self.format.thought:
+            return _THOUGHT[thinking]
+        if thinking == "off":
+            return ""
+        return f"({self.fill(self.format.thought, {'{text}': '/(?s:.*)/'})})? "
+
+    def preface(self) -> str:
+        """Lark for what a constrained answer may open with: the format's own message for
+        thought (harmony's analysis), else nothing (a `<think>` block is not taken for one)."""
+        return self.thought("optional") if self.format.thought else ""
+
+    def answer(self, body: str) -> str:
+        """Lark for an answer whose text is the Lark `body`, where the format puts answers."""
+        return self.fill(self.format.answer, {"{answer}": body})
 
     def calls_rules(self, functions: list[dict[str, Any]], parallel: bool = True) -> str:
         """Lark rules `calls` (the format's whole block of one or more calls, one unless
         `parallel`) and `call` (any one of `functions`)."""
         fmt = self.format
+        parallel = parallel and not fmt.single
         more = f" ({self.literal(fmt.separator)} call)*" if parallel else ""  # "( call)*": none
         block = " ".join(
             filter(None, [self.literal(fmt.begin), f"call{more}", self.literal(fmt.end)])
@@ -185,7 +240,7 @@ def required_tool_calls(
 ) -> GuidedDecoding:
     """At least one call of one of the tools (exactly one unless `parallel`) in the format's
     block, nothing else but the thinking before them that `thinking` allows."""
-    text = f"start: {_THOUGHT[thinking]}calls\n{syntax.calls_rules(functions, parallel)}"
+    text = f"start: {syntax.thought(thinking)}calls\n{syntax.calls_rules(functions, parallel)}"
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )
@@ -196,12 +251,32 @@ def answer_or_tool_calls(
     functions: list[dict[str, Any]],
     syntax: CallSyntax = HERMES,
 ) -> GuidedDecoding:
-    """Either the answer, under its JSON schema, or one or more calls of the tools."""
-    text = f"start: answer | calls\nanswer: {_json_rule(answer_schema)}\n" + syntax.calls_rules(
-        functions
+    """Either the answer, under its JSON schema, or one or more calls of the tools (harmony:
+    after the analysis the model may write first)."""
+    text = (
+        f"start: {syntax.preface()}(answer | calls)\n"
+        f"answer: {syntax.answer(_json_rule(answer_schema))}\n" + syntax.calls_rules(functions)
     )
     return GuidedDecoding(
         grammar=llguidance.LLMatcher.grammar_from_lark(text), source="response_format"
+    )
+
+
+def final_answer(spec: GuidedDecoding, syntax: CallSyntax) -> GuidedDecoding:
+    """`spec` (a response_format or guided_* grammar) on the answer's text only, where the
+    format puts answers (harmony: the final channel, after the analysis it may write first).
+    The request's grammar is nested as it is, as llguidance's sub-grammar `@answer`."""
+    inner = json.loads(spec.grammar)["grammars"]
+    start = f"start: {syntax.preface()}{syntax.answer('@answer')}\n"
+    grammars = [{"lark_grammar": start}, {**inner[0], "name": "answer"}, *inner[1:]]
+    return GuidedDecoding(grammar=json.dumps({"grammars": grammars}), source=spec.source)
+
+
+def no_tool_calls(syntax: CallSyntax) -> GuidedDecoding:
+    """tool_choice none where calls are messages of their own (harmony): any answer, no call."""
+    text = f"start: {syntax.preface()}{syntax.answer('/(?s:.*)/')}\n"
+    return GuidedDecoding(
+        grammar=llguidance.LLMatcher.grammar_from_lark(text), source="tool_choice"
     )
 
 

@@ -5,6 +5,10 @@ template, and the translation into a GenerateRequest.
          ─▶ + forced-call prefix ─▶ tokens;  response_format / guided_* / tool_choice ─▶ grammar
          ─▶ parser state (reasoning parser, thinking resolved from the template's own output,
             tool parser) that travels to the postproc worker
+
+A harmony model (gpt-oss, ModelInfo.harmony) is rendered by common/harmony.py instead of a
+template (frontend/harmony_prompt.py), its grammars take harmony's channels (response_format
+and guided_* shape the final channel) and its output is parsed by the harmony parser.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from common import guided
 from common.errors import InvalidRequest
 from common.guided import CallSyntax, ThinkingMode, check
 from common.parser_choice import ParserState, reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
 from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
+from frontend import harmony_prompt
 from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, check_token_ids, new_request_id
 from frontend.model_info import ModelInfo
@@ -220,6 +226,20 @@ def render_chat(body: ChatCompletionRequest, model: ModelInfo) -> RenderedPrompt
     read one or the other, and the reasoning parser ORs them (a stale one would win). A template
     that ignores `tools` gets them, and the conversation's calls and results, written into the
     turns in the tool parser's format (frontend/tool_prompt.py)."""
+    if model.harmony:
+        if body.chat_template is not None:
+            raise InvalidRequest(
+                "this model's prompts are in the harmony format: chat_template does not apply",
+                "chat_template",
+            )
+        return harmony_prompt.render_prompt(
+            template_messages(body.messages),
+            tool_dicts(body.tools or []),
+            effort=body.reasoning_effort,
+            template_kwargs=body.chat_template_kwargs or {},
+            response_format=body.response_format,
+            add_generation_prompt=body.add_generation_prompt,
+        )
     tokenizer = model.tokenizer
     source = body.chat_template or tokenizer.chat_template
     if source is None:
@@ -283,20 +303,20 @@ def to_generate_request(
         rendered = render_chat(body, model)
         model.check_prompt_chars(len(rendered.template_text), "messages")
     tools = tool_dicts(body.tools or [])
+    syntax = CallSyntax.of(model.tool_parser, tokenizer.token_to_id)
     plan = plan_tools(
         tools,
         body.tool_choice,
-        syntax=CallSyntax.of(model.tool_parser, tokenizer.token_to_id),
+        syntax=syntax,
         parallel=body.parallel_tool_calls is not False,
         thinking=thinking_mode(model, rendered.template_text),
     )
-    constraint = combine(
-        plan,
-        from_guided_fields(
-            body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
-        ),
-        answer_schema(body.response_format, body.guided_json),
+    other = from_guided_fields(
+        body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
     )
+    if other is not None and syntax.format.channels:  # harmony: the final answer's text
+        other = guided.final_answer(other, syntax)
+    constraint = combine(plan, other, answer_schema(body.response_format, body.guided_json))
     if constraint is not None:
         check(constraint, model.ll_tokenizer())
     excluded = 0
@@ -380,6 +400,8 @@ def thinking_mode(model: ModelInfo, template_text: str) -> ThinkingMode:
     """What a forced tool call's grammar lets the model do first: go on thinking (the prompt
     ends inside <think>), choose to think (no marker prefilled), or nothing (the template closed
     thinking, the model does not think, or its think tags are not tokens)."""
+    if model.harmony:
+        return "optional"  # the analysis message before a forced call (common/guided.py)
     tokenizer = model.tokenizer
     if reasoning_parser_for(model.model_type) is None or None in (
         tokenizer.token_to_id(THINK_START),
@@ -397,6 +419,8 @@ def thinking_budget(
     the template left the model inside thinking already (a prefilled start marker)."""
     if tokens is None:
         return None
+    if model.harmony:
+        return harmony_prompt.thinking_budget(tokens, model.tokenizer)
     if reasoning_parser_for(model.model_type) is None:
         raise InvalidRequest(
             "thinking_token_budget needs a model that thinks in <think> blocks",

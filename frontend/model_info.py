@@ -15,7 +15,7 @@ from common.builtin_models import builtin_model, resolve_model_dir
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.guided import ll_tokenizer
-from common.parser_choice import ToolParserName, tool_parser_for
+from common.parser_choice import HARMONY_MODEL_TYPES, ToolParserName, tool_parser_for
 from common.tokenizer import Tokenizer, load_tokenizer
 from frontend.sampling import SamplingDefaults
 
@@ -47,6 +47,11 @@ class ModelInfo:
                 param,
             )
 
+    @property
+    def harmony(self) -> bool:
+        """Prompts in the harmony format (gpt-oss: common/harmony.py), not the chat template."""
+        return self.model_type in HARMONY_MODEL_TYPES
+
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         return ll_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
 
@@ -63,9 +68,10 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         name=config.model,
         model_dir=model_dir,
         model_type=model_type,
-        tool_parser=config.tool_parser
-        or (builtin and builtin.tool_parser)
-        or tool_parser_for(model_type),
+        # harmony's calls are its channels: no other tool format applies to such a model
+        tool_parser="harmony"
+        if model_type in HARMONY_MODEL_TYPES
+        else config.tool_parser or (builtin and builtin.tool_parser) or tool_parser_for(model_type),
         tokenizer=tokenizer,
         max_model_len=int(hf_config["max_position_embeddings"]),
         vocab_size=int(hf_config["vocab_size"]),

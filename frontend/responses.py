@@ -8,7 +8,9 @@ instructions                  → a system turn first
 message items (any role)      → turns; input_text / output_text parts joined
 function_call items           → an assistant turn's tool_calls
 function_call_output items    → tool turns
-reasoning items               → dropped (the template keeps no past reasoning)
+reasoning items               → dropped (the template keeps no past reasoning); on a harmony
+                                model, the reasoning_content of the assistant turn that
+                                follows (kept while its calls are answered: common/harmony.py)
 previous_response_id          → that response's input and output first (response_store.py)
 text.format                   → response_format;  reasoning.effort → reasoning_effort
 max_output_tokens             → max_completion_tokens
@@ -83,11 +85,19 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _reasoning_text(item: dict[str, Any]) -> str:
+    parts = item.get("content") or []
+    return "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+
+
+def input_messages(
+    items: str | list[dict[str, Any]], keep_reasoning: bool = False
+) -> list[dict[str, Any]]:
     """Input items as chat messages (see the module docstring)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items not yet given to an assistant turn
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -101,7 +111,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -111,6 +121,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind != "reasoning":
             raise InvalidRequest(f"input items of type {kind!r} are not supported", where)
+        elif keep_reasoning:
+            reasoning.append(_reasoning_text(item))
+            continue
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "\n".join(reasoning)
+        reasoning = []
     return messages
 
 
@@ -154,14 +170,15 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def as_chat_request(
-    body: ResponsesRequest, history: list[dict[str, Any]]
+    body: ResponsesRequest, history: list[dict[str, Any]], keep_reasoning: bool = False
 ) -> chat.ChatCompletionRequest:
-    """The chat request the response is made by; `history`: the previous response's turns."""
+    """The chat request the response is made by; `history`: the previous response's turns;
+    `keep_reasoning`: reasoning items go to the assistant turn after them (harmony)."""
     if body.top_logprobs:
         raise InvalidRequest("top_logprobs are not available on /v1/responses", "top_logprobs")
     if body.background:
         raise InvalidRequest("background responses are not supported", "background")
-    messages = [*history, *input_messages(body.input)]
+    messages = [*history, *input_messages(body.input, keep_reasoning)]
     if body.instructions:  # instructions are not carried over by previous_response_id
         messages.insert(0, {"role": "system", "content": body.instructions})
     if not messages:
@@ -213,7 +230,10 @@ def to_generate_request(
     body: ResponsesRequest, history: list[dict[str, Any]], model: ModelInfo, reply_to: str
 ) -> GenerateRequest:
     generate = chat.to_generate_request(
-        as_chat_request(body, history), model, reply_to, allow_request_template=False
+        as_chat_request(body, history, keep_reasoning=model.harmony),
+        model,
+        reply_to,
+        allow_request_template=False,
     )
     generate.request_id = new_response_id()
     generate.output.kind = "responses"

@@ -11,6 +11,11 @@ prompt prefix a forced tool call needs, and what the tool parser must know.
                                                 formats: one call of it, by the grammar alone
 
 A tool constraint and a response_format (or guided_*) both want the one grammar: a 400.
+
+Harmony (gpt-oss, common/guided.py): every forced call by the grammar alone, one per output
+(<|call|> stops it, so parallel_tool_calls changes nothing); tool_choice none is a grammar too
+(an answer on the final channel, no call), which a response_format replaces (it allows no call
+either); response_format and guided_* shape the final channel's text (chat.py nests them there).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class ToolPlan:
     # tool_choice auto: the functions, for a grammar that also lets the answer take a format
     functions: tuple[dict[str, Any], ...] = ()
     syntax: CallSyntax = HERMES  # how calls are written (auto + format)
+    no_calls: bool = False  # harmony tool_choice none: `guided` allows no call
 
 
 def from_guided_fields(
@@ -102,6 +108,8 @@ def plan_tools(
     stopping where the first call closes. `thinking`: what a required call's grammar lets the
     model do before the calls (common/guided.py)."""
     functions = [t["function"] for t in tools]
+    if tool_choice == "none" and tools and syntax.format.channels:
+        return ToolPlan(guided=guided.no_tool_calls(syntax), no_calls=True)
     if tool_choice == "none" or not tools:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequest(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
@@ -114,7 +122,7 @@ def plan_tools(
         return ToolPlan(
             guided=guided.triggered_tool_calls(strict) if strict else None,
             parse_tools=True,
-            stop=() if parallel else (guided.TOOL_CALL_END,),
+            stop=() if parallel or syntax.format.single else (guided.TOOL_CALL_END,),
             functions=tuple(functions),
             syntax=syntax,
         )
@@ -169,6 +177,8 @@ def combine(
       (what an agent with tools and an output type asks for on every turn);
     - auto with strict tools beside a regex or Lark constraint: refused.
     """
+    if tool_plan.no_calls and other is not None:
+        return other
     if tool_plan.guided is not None and tool_plan.guided.source == "tool_choice":
         return tool_plan.guided
     if tool_plan.parse_tools and other is not None and schema is not None:
