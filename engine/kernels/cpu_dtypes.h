@@ -99,4 +99,10 @@ static inline float tanh_clamped(float x) {
                     1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
     return a > 0.625f ? copysignf(big, x) : small;
 }
+
+/* silu(x) = x / (1 + e^-x), torch's vectorised formula (the MLPs' and the experts'). */
+static inline float silu(float x) {
+    float y = x / (1.0f + exp_clamped(-x));
+    return x == -INFINITY ? NAN : y; /* torch: -inf / inf */
+}
 #endif

@@ -526,11 +526,6 @@ void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t 
  * within a unit or two in the last place of float32. */
 enum { SILU = 0, GELU_TANH = 1 };
 
-static inline float silu(float g) {
-    float y = g / (1.0f + exp_clamped(-g));
-    return g == -INFINITY ? NAN : y; /* torch: -inf / inf */
-}
-
 /* torch's gelu(approximate="tanh"), its operations in its order (Gemma's gelu_pytorch_tanh). */
 static inline float gelu_tanh(float g) {
     float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c")
+    for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_moe.c")
 )
 HEADERS = (Path(__file__).with_name("cpu_dtypes.h"),)  # included by the sources
 FLAGS = (
@@ -65,7 +65,14 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
+    "moe_experts": (
+        _int,
+        [*[_p] * 8, *[_i64] * 5, _int, _int, _int, _f32, _f32, _i64, _int],
+    ),
+    "expert_passes": (_i64, []),
 }
+EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS
+MOE_CHUNK_BYTES = 64 << 20  # moe_experts' buffers: 320 tokens of a Qwen3-MoE layer at a time
 PANEL = 16  # output columns per weight panel (cpu_linear.c's P)
 
 
@@ -313,6 +320,85 @@ def panel_linear(
         x32.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def pack_experts(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """Every expert's (N, K) matrix of weight (num_experts, N, K) as moe_experts reads it, in
+    the layout engine/linear.py picks for dense layers here: bfloat16 pairs (num_experts,
+    ceil(N / 16), K / 2, 16, 2) for AVX512-BF16's dot products where the kernels have them,
+    else panels (num_experts, ceil(N / 16), K, 16). `pairs` forces one (tests)."""
+    num_experts, n, k = weight.shape
+    if pairs is None:
+        pairs = weight.dtype == torch.bfloat16 and k % 2 == 0 and bf16_pairs_available()
+    pack = pack_pairs if pairs else pack_panels
+    first = pack(weight[0])
+    packed = first.new_empty(num_experts, *first.shape)
+    packed[0] = first
+    for e in range(1, num_experts):  # one expert's copy at a time: the layer may be gigabytes
+        packed[e] = pack(weight[e])
+    return packed
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed_gate_up: torch.Tensor,
+    packed_down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    inter: int,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    *,
+    chunk_bytes: int = MOE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """reference.moe_experts_ref's maths on the weights as `pack_experts` left them, grouped by
+    expert so that each expert's weights are read once per call (cpu_moe.c): x (tokens,
+    hidden), float32 or bfloat16; topk_ids, topk_weights (tokens, top_k); biases float32
+    (num_experts, 2 * inter) and (num_experts, hidden), or None. Returns x's shape and dtype.
+    Tokens go `chunk_bytes` of buffers at a time (a decode step's in one)."""
+    lib = library()
+    assert lib is not None and x.dtype in DTYPE_CODES and x.dim() == 2
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}")
+    pairs = packed_gate_up.dim() == 5
+    num_experts, hidden = packed_gate_up.shape[0], x.shape[1]
+    for packed, n, k in ((packed_gate_up, 2 * inter, hidden), (packed_down, hidden, inter)):
+        assert packed.dtype == x.dtype and packed.dim() == packed_gate_up.dim()
+        assert packed.is_contiguous()
+        assert packed.shape[:2] == (num_experts, -(-n // PANEL)) and packed[0, 0].numel() == (
+            k * PANEL
+        ), f"experts packed as {tuple(packed.shape)}, not as ({n}, {k}) matrices"
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
+    for bias, n in zip(biases, (2 * inter, hidden), strict=True):
+        assert bias is None or bias.shape == (num_experts, n)
+    out = torch.empty_like(x)
+    status = _run(
+        "moe_experts",
+        x.data_ptr(), ids.data_ptr(), weights.data_ptr(), packed_gate_up.data_ptr(),
+        packed_down.data_ptr(), _pointer(biases[0]), _pointer(biases[1]), out.data_ptr(),
+        x.shape[0], ids.shape[1], num_experts, hidden, inter, DTYPE_CODES[x.dtype], int(pairs),
+        EXPERT_ACTIVATIONS[activation], alpha, limit, chunk_bytes, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -2:
+        raise ValueError(f"an expert id is outside 0 .. {num_experts - 1}")
+    if status != 0:
+        raise MemoryError("moe experts: no memory for its buffers")
+    return out
+
+
+def expert_passes() -> int:
+    """Sweeps of an expert's weights (gate_up and down, for up to 48 of its rows) by
+    moe_experts since the library was loaded: one per expert routed to, per call, at decode
+    sizes (cpu_moe.c)."""
+    lib = library()
+    assert lib is not None
+    return int(lib.expert_passes())
 
 
 class DecodeLayer(ctypes.Structure):

@@ -153,6 +153,19 @@ static inline __attribute__((always_inline)) void one_panel(
 #undef PANEL_ROWS
 }
 
+/* Panels p_begin .. p_end - 1 (output columns 16 p_begin ..) of panel_linear's product for all M
+ * rows (no row blocks: M of at most ROW_BLOCK keeps x in L2), on the calling thread: the unit
+ * of work of cpu_moe.c, which splits each expert's panels between its threads itself. */
+void panel_range(const float *x, const void *panels, int dtype, const float *bias, float *out,
+                 int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; p++) {
+        if (dtype == F32)
+            one_panel(x, panels, F32, bias, out, 0, M, N, K, p);
+        else
+            one_panel(x, panels, BF16, bias, out, 0, M, N, K, p);
+    }
+}
+
 /* x: (M, K) float32; panels as above, of dtype; bias: (N,) float32 or NULL; out: (M, N) float32. */
 void panel_linear(const float *x, const void *panels, int dtype, const float *bias, float *out,
                   int64_t M, int64_t N, int64_t K, int threads) {
@@ -220,6 +233,23 @@ static inline __attribute__((always_inline)) void pair_rows(
     }
 }
 
+/* Rows m0 .. m_end - 1 of x times panel p: out's columns 16 p .. 16 p + 15. */
+static inline void pair_panel(const uint16_t *x, const uint16_t *pairs, const float *bias,
+                              float *out, int64_t m0, int64_t m_end, int64_t N, int64_t K,
+                              int64_t p) {
+    const uint16_t *panel = pairs + p * K * P;
+    int64_t n = p * P, ncols = N - n < P ? N - n : P;
+    const float *b = bias != NULL ? bias + n : NULL;
+    int64_t m = m0;
+    for (; m + MR <= m_end; m += MR)
+        pair_rows(x + m * K, K, panel, out + m * N + n, N, ncols, b, MR);
+    const uint16_t *xm = x + m * K;
+    float *om = out + m * N + n;
+#define PAIR_ROWS(r) pair_rows(xm, K, panel, om, N, ncols, b, r)
+    LAST_ROWS(m_end - m, PAIR_ROWS)
+#undef PAIR_ROWS
+}
+
 /* x: (M, K) bfloat16, K even; pairs as above; bias (N,) float32 or NULL; out (M, N) float32. */
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads) {
@@ -227,28 +257,31 @@ void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, fl
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         int64_t m_end = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const uint16_t *panel = pairs + p * K * P;
-            int64_t n = p * P, ncols = N - n < P ? N - n : P;
-            const float *b = bias != NULL ? bias + n : NULL;
-            int64_t m = m0;
-            for (; m + MR <= m_end; m += MR)
-                pair_rows(x + m * K, K, panel, out + m * N + n, N, ncols, b, MR);
-            const uint16_t *xm = x + m * K;
-            float *om = out + m * N + n;
-#define PAIR_ROWS(r) pair_rows(xm, K, panel, om, N, ncols, b, r)
-            LAST_ROWS(m_end - m, PAIR_ROWS)
-#undef PAIR_ROWS
-        }
+        for (int64_t p = 0; p < num_panels; p++)
+            pair_panel(x, pairs, bias, out, m0, m_end, N, K, p);
     }
+}
+
+/* As panel_range, for pairs. */
+void pair_range(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; p++) pair_panel(x, pairs, bias, out, 0, M, N, K, p);
 }
 #else
 int bf16_pairs_available(void) { return 0; }
 
-/* Never called where bf16_pairs_available() says 0 (engine/linear.py packs no pairs there). */
+/* Never called where bf16_pairs_available() says 0 (engine/linear.py and
+ * cpu_kernels.pack_experts pack no pairs there). */
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads) {
     (void)x, (void)pairs, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    abort();
+}
+
+void pair_range(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
+    (void)x, (void)pairs, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)p_begin,
+        (void)p_end;
     abort();
 }
 #endif
