@@ -266,7 +266,8 @@ def final_answer(spec: GuidedDecoding, syntax: CallSyntax) -> GuidedDecoding:
     """`spec` (a response_format or guided_* grammar) on the answer's text only, where the
     format puts answers (harmony: the final channel, after the analysis it may write first).
     The request's grammar is nested as it is, as llguidance's sub-grammar `@answer`."""
-    inner = json.loads(spec.grammar)["grammars"]
+    text = spec.grammar.lstrip()  # llguidance's grammars: JSON, or Lark text as it is
+    inner = json.loads(text)["grammars"] if text.startswith("{") else [{"lark_grammar": text}]
     start = f"start: {syntax.preface()}{syntax.answer('@answer')}\n"
     grammars = [{"lark_grammar": start}, {**inner[0], "name": "answer"}, *inner[1:]]
     return GuidedDecoding(grammar=json.dumps({"grammars": grammars}), source=spec.source)
