@@ -348,6 +348,9 @@ def to_generate_request(
         guided=constraint,
         thinking_budget=thinking_budget(body.thinking_token_budget, model, rendered),
     )
+    if model.harmony:
+        stops = harmony_prompt.stop_token_ids(tokenizer)
+        sampling.stop_token_ids = [*sampling.stop_token_ids, *stops]
     prompt_b64 = encode_token_ids(prompt)
     output = OutputOptions(
         kind="chat",

@@ -11,6 +11,9 @@ template: what the request says mapped onto what the harmony system and develope
                                                                holds the final answer to it)
     thinking_token_budget                                    → the budget on the analysis
                                                                channel (its header to <|end|>)
+
+Every request also stops at <|return|> and <|call|>, whatever generation_config.json lists (as
+vLLM adds them): a harmony answer or call ends there.
 """
 
 from __future__ import annotations
@@ -95,3 +98,9 @@ def thinking_budget(tokens: int, tokenizer: Tokenizer) -> ThinkingBudget:
         end=tokenizer.encode(harmony.END),
         open_at_start=False,
     )
+
+
+def stop_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids of <|return|> and <|call|>, where a harmony output ends."""
+    ids = (tokenizer.token_to_id(marker) for marker in (harmony.RETURN, harmony.CALL))
+    return [i for i in ids if i is not None]

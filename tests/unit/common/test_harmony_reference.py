@@ -22,26 +22,12 @@ from common import harmony
 from common.harmony import SystemSettings
 from common.harmony_typescript import tool_namespace
 from tests.unit.common.o200k_vocab import ensure_o200k_base
+from tests.unit.common.test_harmony import FUNCTIONS
 
 oh = pytest.importorskip("openai_harmony")
 
 DATE = "2025-06-28"
-WEATHER = {
-    "name": "get_current_weather",
-    "description": "Gets the current weather in the provided location.",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "location": {
-                "type": "string",
-                "description": "The city and state, e.g. San Francisco, CA",
-            },
-            "format": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
-        },
-        "required": ["location"],
-    },
-}
-LOCATION = {"name": "get_location", "description": "Gets the location of the user."}
+LOCATION, WEATHER = FUNCTIONS[:2]  # the guide's get_location and get_current_weather
 SEARCH = {
     "name": "search",
     "description": "Search the web.\nReturns the top results.",

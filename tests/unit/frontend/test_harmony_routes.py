@@ -129,6 +129,7 @@ def test_a_chat_request_is_rendered_in_harmony_and_parsed_by_channel(
     assert request.output.parser_state == ParserState(reasoning_parser="harmony",
                                                       tool_parser="harmony")  # fmt: skip
     assert request.sampling.guided is None  # tool_choice auto: the model decides
+    assert request.sampling.stop_token_ids == [RETURN_ID, CALL_ID]
     message = reply.choices[0].message
     assert (message.content, reply.choices[0].finish_reason) == ("It is sunny in Oslo.", "stop")
     assert message.model_extra == {"reasoning_content": "Need the weather."}
