@@ -1,6 +1,7 @@
 /* The CPU path's kernels: paged attention and KV stores that read and write the block-major
- * cache in place, and the decoder's RMSNorm (with its residual add), rotary embedding and MLP
- * activation, each one pass over its rows instead of a handful of torch operations.
+ * cache in place, and the decoder's RMSNorms (Llama's and Gemma's, with the residual add, or
+ * per head for q/k norms), rotary embedding (full or partial) and MLP activations (SiLU, GELU),
+ * each one pass over its rows instead of a handful of torch operations.
  *
  * The torch path (torch_paged.py) must gather each sequence's blocks into a padded copy before a
  * batched multiply can read them: on a decode step that copy is as much memory traffic as the

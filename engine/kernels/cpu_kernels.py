@@ -1,6 +1,8 @@
 """The CPU path's C kernels (cpu_kernels.c), built once per machine: paged attention (decode and
-prefill) and KV stores, RMSNorm with its residual add, rotary embedding, the MLP's
-SiLU-and-product; and the linear layers' panel matmul (cpu_linear.c, see engine/linear.py).
+prefill, with sliding windows, soft caps and attention sinks) and KV stores, RMSNorm (Llama's or
+Gemma's rounding, with its residual add, or per head in place for q/k norms), rotary embedding
+(full or partial), the MLP's SiLU- or GELU-and-product; the linear layers' panel matmul
+(cpu_linear.c, see engine/linear.py); and a MoE layer's experts grouped by expert (cpu_moe.c).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
