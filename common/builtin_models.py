@@ -52,7 +52,28 @@ SMOLLM2_135M = BuiltinModel(
     summary="SmolLM2-135M-Instruct (Llama, 30 layers), 538 MB in float32, 269 MB in bfloat16",
     builder="engine.smollm2_model:build_smollm2",
 )
-BUILTIN_MODELS = {model.name: model for model in (TINY, SMOLLM2_135M)}
+# Small random-weight checkpoints of each architecture (tools/tiny_arch/build.py): the tiny
+# model's tokenizer and ChatML template (hermes tool calls), gpt-oss's with harmony's tokens.
+TINY_ARCHES = tuple(
+    BuiltinModel(
+        name=f"builtin:tiny-{arch}",
+        directory=f"tiny-{arch}-v1",
+        per_dtype=False,
+        tool_parser=None if arch == "gpt-oss" else "hermes",
+        summary=f"{summary}: a few layers, random weights, for parity tests",
+        builder=f"tools.tiny_arch.build:{arch.replace('-', '_')}",
+    )
+    for arch, summary in (
+        ("mistral", "Mistral-7B-v0.1 scaled down (sliding window)"),
+        ("gemma2", "gemma-2-27b scaled down (soft caps, alternating windows)"),
+        ("gemma3", "gemma-3-1b scaled down (q/k norms, 5 local : 1 global)"),
+        ("phi3", "Phi-4-mini scaled down (partial rotary, LongRoPE)"),
+        ("qwen3-moe", "Qwen3-30B-A3B scaled down (16 experts, top 4)"),
+        ("mixtral", "Mixtral-8x7B scaled down (8 experts, top 2)"),
+        ("gpt-oss", "gpt-oss-20b scaled down (sinks, YaRN, 8 experts), trained on harmony"),
+    )
+)
+BUILTIN_MODELS = {model.name: model for model in (TINY, SMOLLM2_135M, *TINY_ARCHES)}
 
 
 def builtin_model(name: str) -> BuiltinModel | None:

@@ -155,10 +155,14 @@ def rope_config(
     original = params.get(
         "original_max_position_embeddings", raw.get("original_max_position_embeddings")
     )
+    factor = params.get("factor")
+    if factor is None and kind in ("yarn", "longrope") and original:
+        # as transformers: the ratio of the served length to the pretraining length
+        factor = raw.get("max_position_embeddings", original) / original
     return RopeConfig(
         theta=theta,
         kind=kind,
-        factor=float(params.get("factor") or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original or 8192),

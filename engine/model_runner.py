@@ -77,6 +77,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._to(cu_seqlens),
             prefill_context_lens=self._to(total_lens[nd:]),
             backend=self.backend,
+            seq_lens_after=self._to(total_lens[seq_index].long()),
         )
         hidden = self.model(
             self._to(input_ids), self._to(positions), self.kv_cache.layers, meta
