@@ -22,9 +22,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 status=0
 timeout 120 python3 -m orchestrator.cli tiny-model 2>&1 | tail -2 || status=1
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/kernels/test_kernels.py \
+    tests/unit/engine/kernels/test_triton_moe.py \
     tests/unit/engine/test_llm_engine.py::test_greedy_on_the_gpu_matches_hf_on_the_cpu 2>&1 \
     | tee "$out/kernel-tests.log" | tail -3 || status=1
-timeout 120 python3 -m bench.kernels --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || status=1
+timeout 180 python3 -m bench.kernels --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || status=1
 tail -5 "$out/kernels.log"
 timeout 300 python3 -m bench.serving --device cuda --repeats 1 --no-profile \
     --out "$out/serving.json" >"$out/serving.log" 2>&1 || status=1

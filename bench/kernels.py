@@ -4,8 +4,10 @@ On a CUDA device: decode at batch 1/16/64 x context 1k/4k/16k (32 query heads, 8
 head_dim 128, bf16, block size 16, shuffled blocks of a two-layer block-major pool), timed against
 torch SDPA over the same KV already gathered contiguous (and FlashAttention / FlashInfer when they
 import), as achieved bandwidth = bytes of K/V read / median time; plus a device-to-device copy so
-decode_bw / copy_bw can be read against what the memory can do. Prefill is timed against SDPA too.
-Without CUDA it runs a small correctness pass in the Triton interpreter instead.
+decode_bw / copy_bw can be read against what the memory can do. Prefill is timed against SDPA too,
+and both with attention sinks (gpt-oss) against themselves without. The grouped MoE kernel is
+timed by bench/kernels_moe.py. Without CUDA it runs a small correctness pass in the Triton
+interpreter instead.
 
     .venv/bin/python -m bench.kernels [--out bench/results/kernels.json]
 """
@@ -98,7 +100,7 @@ def gpu_benchmark() -> dict[str, Any]:
     torch.cuda.empty_cache()
     max_tokens = max(DECODE_BATCHES) * max(DECODE_CONTEXTS)
     num_blocks = max_tokens // BLOCK_SIZE + 64
-    _, k_cache, v_cache = make_cache(num_blocks, dtype, DEVICE)
+    pool, k_cache, v_cache = make_cache(num_blocks, dtype, DEVICE)
     baselines = optional_baselines()
     rows = []
     for batch in DECODE_BATCHES:
@@ -114,6 +116,12 @@ def gpu_benchmark() -> dict[str, Any]:
                 f"err {row['max_abs_err_vs_sdpa']:.1e}"
             )
     prefill_rows = [prefill_case(*case, k_cache, v_cache, num_blocks) for case in PREFILL_CASES]
+    sinks = sinks_case(k_cache, v_cache, num_blocks)
+    del pool, k_cache, v_cache  # 8.6 GB of KV; the MoE weights need the room
+    torch.cuda.empty_cache()
+    from bench.kernels_moe import moe_benchmark
+
+    moe_rows = moe_benchmark(median_ms)
     goal = next((r for r in rows if r["batch"] == 64 and r["context_len"] == 4096), None)
     return {
         "mode": "gpu",
@@ -122,6 +130,8 @@ def gpu_benchmark() -> dict[str, Any]:
         "copy": copy,
         "decode": rows,
         "prefill": prefill_rows,
+        "sinks": sinks,
+        "moe": moe_rows,
         "baselines": {name: "ok" if fn else err for name, (fn, err) in baselines.items()},
         "goal_decode_b64_ctx4k_ratio_to_copy": goal and goal["ratio_to_copy"],
     }  # fmt: skip
@@ -230,6 +240,57 @@ def prefill_case(
     return row
 
 
+def sinks_case(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_blocks: int,
+    batch: int = 16,
+    context_len: int = 4096,
+    prefill_batch: int = 4,
+    new_tokens: int = 2048,
+) -> dict[str, Any]:
+    """Decode (batch x context_len) and prefill (prefill_batch x new_tokens) with and without
+    sinks, full and gpt-oss's 128-token window: what the sink costs, and its error against the
+    reference (decode only: the prefill reference would materialise every score)."""
+    from engine.kernels import decode, prefill
+    from engine.kernels.reference import paged_decode_attention_ref
+
+    sinks = torch.randn(NUM_HEADS, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+    tables = block_tables_for([context_len] * batch, num_blocks, DEVICE)
+    lens = torch.full((batch,), context_len, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=k_cache.dtype, device=DEVICE)
+    args = (q, k_cache, v_cache, tables, lens, scale)
+    row: dict[str, Any] = {
+        "decode_batch": batch,
+        "decode_context_len": context_len,
+        "prefill_batch": prefill_batch,
+        "prefill_new_tokens": new_tokens,
+    }
+    for window in (None, 128):
+        for label, s in [("no_sinks", None), ("sinks", sinks)]:
+            row[f"decode_window_{window}_{label}_ms"] = median_ms(
+                lambda w=window, s=s: decode.paged_decode_attention(*args, w, None, s)
+            )
+        expected = paged_decode_attention_ref(*args, window, None, sinks)
+        got = decode.paged_decode_attention(*args, window, None, sinks)
+        row[f"decode_window_{window}_max_abs_err_vs_ref"] = float((got - expected).abs().max())
+    cu = torch.arange(0, (prefill_batch + 1) * new_tokens, new_tokens, device=DEVICE).int()
+    qp = torch.randn(prefill_batch * new_tokens, NUM_HEADS, HEAD_DIM, dtype=q.dtype, device=DEVICE)
+    prefill_lens = torch.full((prefill_batch,), new_tokens, dtype=torch.int32, device=DEVICE)
+    prefill_args = (qp, k_cache, v_cache, tables[:prefill_batch], cu, prefill_lens, scale)
+    for label, s in [("no_sinks", None), ("sinks", sinks)]:
+        row[f"prefill_{label}_ms"] = median_ms(
+            lambda s=s: prefill.paged_prefill_attention(*prefill_args, None, None, s)
+        )
+    print(
+        f"sinks: decode {row['decode_window_None_sinks_ms']:.3f} ms vs "
+        f"{row['decode_window_None_no_sinks_ms']:.3f} without, prefill "
+        f"{row['prefill_sinks_ms']:.3f} vs {row['prefill_no_sinks_ms']:.3f}"
+    )
+    return row
+
+
 @dataclass(slots=True)
 class DecodeInputs:
     q: torch.Tensor  # (batch, num_heads, head_dim)
@@ -305,27 +366,34 @@ def cpu_correctness() -> dict[str, Any]:
         context_lens = torch.tensor(lens, dtype=torch.int32)
         scale = HEAD_DIM**-0.5
         q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, dtype=dtype)
-        for num_splits in (1, 2):
+        sinks = torch.randn(NUM_HEADS)
+        for num_splits, s in [(1, None), (2, None), (1, sinks), (2, sinks)]:
+            args = (q, k_cache, v_cache, tables, context_lens, scale, None, None, s)
             start = time.perf_counter()
-            out = decode.paged_decode_attention(
-                q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits
-            )
-            ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, context_lens, scale)
+            out = decode.paged_decode_attention(*args, num_splits=num_splits)
+            ref = paged_decode_attention_ref(*args)
             err = float((out.float() - ref.float()).abs().max())
-            rows.append({"kernel": "decode", "dtype": str(dtype), "num_splits": num_splits,
+            rows.append({"kernel": "decode" + (" sinks" if s is not None else ""),
+                         "dtype": str(dtype), "num_splits": num_splits,
                          "lens": lens, "max_abs_err": err,
                          "interpreter_s": time.perf_counter() - start})  # fmt: skip
         q_lens = [5, 40, 1]  # prefixes 2, 60, 32
         cu = torch.tensor([0, 5, 45, 46], dtype=torch.int32)
         qp = torch.randn(46, NUM_HEADS, HEAD_DIM, dtype=dtype)
-        start = time.perf_counter()
-        out = prefill.paged_prefill_attention(qp, k_cache, v_cache, tables, cu, context_lens, scale)
-        ref = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, context_lens, scale)
-        rows.append({"kernel": "prefill", "dtype": str(dtype), "lens": lens, "q_lens": q_lens,
-                     "max_abs_err": float((out.float() - ref.float()).abs().max()),
-                     "interpreter_s": time.perf_counter() - start})  # fmt: skip
+        for s in (None, sinks):
+            args = (qp, k_cache, v_cache, tables, cu, context_lens, scale, None, None, s)
+            start = time.perf_counter()
+            out = prefill.paged_prefill_attention(*args)
+            ref = paged_prefill_attention_ref(*args)
+            rows.append({"kernel": "prefill" + (" sinks" if s is not None else ""),
+                         "dtype": str(dtype), "lens": lens, "q_lens": q_lens,
+                         "max_abs_err": float((out.float() - ref.float()).abs().max()),
+                         "interpreter_s": time.perf_counter() - start})  # fmt: skip
+    from bench.kernels_moe import moe_correctness
+
+    rows += moe_correctness()
     for row in rows:
-        print(f"{row['kernel']:8s} {row['dtype']:15s} max_abs_err {row['max_abs_err']:.2e}")
+        print(f"{row['kernel']:22s} {row['dtype']:15s} max_abs_err {row['max_abs_err']:.2e}")
     return {"mode": "cpu-correctness", "correctness": rows}
 
 
