@@ -6,10 +6,22 @@
  * the popular ones), and at decode sizes the weights' bytes are the whole cost. Here the rows
  * are sorted by expert first, and each expert multiplies all of its rows at once with
  * cpu_linear.c's kernels (panels, or bfloat16 pairs for AVX512-BF16's dot products), reading
- * every weight once. The rows go back to their tokens in top_k order, so the sum of a token's
- * experts is the reference's, whatever the grouping or the thread count.
+ * every weight once. The rows go back to their tokens and are summed in top_k order, as the
+ * reference sums them, whatever the grouping or the thread count.
  *
- * (Figures: see the measurements below this comment once taken.)
+ * A Qwen3-MoE-shaped layer (hidden 2048, 128 experts, top 8, moe_intermediate 768; 9.4 MB an
+ * expert in bfloat16, 18.9 in float32), random routing, one thread of this project's 2-core
+ * Zen 4 host (AVX512-BF16), against Hugging Face's loop over the experts hit in torch and a
+ * naive loop over (token, expert) pairs, and the bytes of the experts touched at 25 GB/s:
+ *
+ *   tokens  experts   bfloat16 (pairs)               float32 (panels)
+ *           touched   C      HF loop  naive  bound   C      HF loop  naive  bound   (ms)
+ *   1       8         2.65   8.1      7.5    3.0     5.1    9.8      9.4    6.0
+ *   8       48        18.2   48       62     18.1    30.6   71       77     36.2
+ *   32      111       42     116      280    41.9    77     209      320    83.8
+ *
+ * i.e. 22-30 GB/s, what one core streams. Two threads: 1.8 ms at one token in bfloat16
+ * (42 GB/s); the larger cases could not be timed cleanly while other jobs held the second core.
  *
  * One call, a chunk of tokens at a time (all of a decode step's; a prefill's in chunks whose
  * buffers fit chunk_bytes, 64 MB from cpu_kernels.py, each chunk one more pass over the
