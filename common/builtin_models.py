@@ -73,7 +73,18 @@ TINY_ARCHES = tuple(
         ("gpt-oss", "gpt-oss-20b scaled down (sinks, YaRN, 8 experts), trained on harmony"),
     )
 )
-BUILTIN_MODELS = {model.name: model for model in (TINY, SMOLLM2_135M, *TINY_ARCHES)}
+QWEN3_MOE_BENCH = BuiltinModel(
+    name="builtin:qwen3-moe-bench",
+    directory="qwen3-moe-bench-v1",
+    per_dtype=True,
+    tool_parser="hermes",
+    summary="Qwen3-30B-A3B's layout at 0.47B parameters (128 experts, top 8), random weights: "
+    "for benchmarks only; 1.9 GB in float32, 945 MB in bfloat16",
+    builder="tools.tiny_arch.bench_moe:build_bench_moe",
+)
+BUILTIN_MODELS = {
+    model.name: model for model in (TINY, SMOLLM2_135M, *TINY_ARCHES, QWEN3_MOE_BENCH)
+}
 
 
 def builtin_model(name: str) -> BuiltinModel | None:
