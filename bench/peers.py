@@ -20,8 +20,16 @@ minute of the host does not land on one server only; figures are medians over th
 `peers.json` (a model this run leaves out keeps its figures from the earlier file): per model,
 dtype and concurrency, each server's output tok/s, TTFT p50 and
 inter-token p50, the clusters' ratios to vLLM, and the memory-bandwidth bound beside them: one
-core's measured read bandwidth ÷ the bytes of weights a decode step streams, times the batch
-(tokens/s no server can pass while it reads every weight once per step).
+core's measured read bandwidth ÷ the bytes of weights a decode step of B sequences streams, times
+B (tokens/s no server can pass while it reads those weights once per step; B = the concurrency).
+A dense model's step streams every weight; a mixture of experts' streams the dense weights and
+only the experts its B x top_k picks select, for random routing on average
+
+    step_bytes(B) = dense_bytes + expert_bytes * (1 - (1 - top_k / E)^B)
+
+(E * (1 - (1 - k/E)^B) distinct experts per layer: each token picks k of E, so an expert escapes
+one token with probability 1 - k/E and all B with (1 - k/E)^B). Uniform routing reads the most
+experts: a skewed router reads fewer, so a server could pass this bound on a trained model.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -294,10 +303,74 @@ def cpu_features() -> dict:
             "avx512_bf16": "avx512_bf16" in flags}  # fmt: skip
 
 
-def weight_bytes(model_dir: Path) -> int:
-    """What one decode step reads: every weight once (a tied LM head is the embedding, read once
-    as the head; the embedding lookup reads a row per token)."""
-    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+@dataclass(frozen=True, slots=True)
+class StepBytes:
+    """The weights a decode step streams, split into what every step reads (attention, routers,
+    norms, dense MLPs, the LM head) and the experts, of which a step reads those it selects."""
+
+    weight_bytes: int  # every tensor in the checkpoint
+    dense_bytes: int  # read once per step (an untied embedding table is not: a row per token)
+    expert_bytes: int  # all routed experts of all layers
+    num_experts: int  # per MoE layer; 0 for a dense model
+    top_k: int
+
+    def experts_read(self, batch: int) -> float:
+        """Expected distinct experts per layer among `batch` tokens' top-k picks, for random
+        routing: E * (1 - (1 - k/E)^B)."""
+        if self.num_experts == 0:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+
+    def at_batch(self, batch: int) -> float:
+        """Bytes a step of `batch` sequences reads (module docstring's formula)."""
+        if self.num_experts == 0:
+            return float(self.dense_bytes)
+        return self.dense_bytes + self.expert_bytes * self.experts_read(batch) / self.num_experts
+
+
+BOUND_FORMULA = (
+    "bandwidth_bound_tokens_per_s = B * read_gb_s * 1e9 / step_bytes(B), B = concurrency; "
+    "step_bytes(B) = dense_bytes + expert_bytes * (1 - (1 - top_k / num_experts) ** B) "
+    "(random routing; dense models: dense_bytes)"
+)
+
+
+def step_bytes(model_dir: Path) -> StepBytes:
+    """From the checkpoint's safetensors headers and config.json: a tensor under `.experts.`
+    (one by one, `experts.3.up_proj`, or stacked, `experts.gate_up_proj`) is a routed expert's
+    (a shared expert is dense); with an LM head of its own, the embedding table is not streamed
+    (tied, it is: as the head)."""
+    sizes: dict[str, int] = {}
+    for path in model_dir.glob("*.safetensors"):
+        sizes |= _tensor_bytes(path)
+    untied = any(name.endswith("lm_head.weight") for name in sizes)
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    embedding = sum(n for name, n in sizes.items() if name.endswith("embed_tokens.weight"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts and not num_experts:
+        raise ValueError(f"{model_dir}: expert weights but no num_experts in config.json")
+    total = sum(sizes.values())
+    return StepBytes(
+        weight_bytes=total,
+        dense_bytes=total - experts - (embedding if untied else 0),
+        expert_bytes=experts,
+        num_experts=num_experts if experts else 0,
+        top_k=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+    )
+
+
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """Each tensor's bytes, from the file's header (8-byte length, then JSON with each tensor's
+    data offsets): no tensor is read."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {
+        name: entry["data_offsets"][1] - entry["data_offsets"][0]
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -354,7 +427,7 @@ def main() -> None:
                             running.stop()
                 if not args.skip_runs:
                     result["models"].setdefault(model, {})[dtype] = summarize(
-                        runs, args.concurrency, weight_bytes(model_dir), bandwidth
+                        runs, args.concurrency, step_bytes(model_dir), bandwidth
                     )
                 if args.profile:  # merged by level and server into the earlier profiles
                     profiles = result["profiles"].setdefault(model, {}).setdefault(dtype, {})
@@ -376,13 +449,21 @@ def _earlier(out: Path, key: str) -> dict:
     return dict(json.loads(out.read_text()).get(key, {}))
 
 
-def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], num_bytes: int,
+def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights: StepBytes,
               bandwidth: float) -> dict:  # fmt: skip
-    step_s = num_bytes / (bandwidth * 1e9)  # reading every weight once
     # the bandwidth is measured once per run: each model's bound keeps the figure it was made with
-    summary: dict = {"weight_bytes": num_bytes, "read_gb_s": round(bandwidth, 1), "levels": {}}
+    summary: dict = {
+        "weight_bytes": weights.weight_bytes, "dense_bytes": weights.dense_bytes,
+        "expert_bytes": weights.expert_bytes, "num_experts": weights.num_experts,
+        "top_k": weights.top_k, "read_gb_s": round(bandwidth, 1), "bound": BOUND_FORMULA,
+        "levels": {},
+    }  # fmt: skip
     for c in levels:
-        level: dict = {"bandwidth_bound_tokens_per_s": round(c / step_s, 1)}
+        step_s = weights.at_batch(c) / (bandwidth * 1e9)  # reading them once
+        level: dict = {"step_bytes": round(weights.at_batch(c)),
+                       "bandwidth_bound_tokens_per_s": round(c / step_s, 1)}  # fmt: skip
+        if weights.num_experts:
+            level["experts_read_per_layer"] = round(weights.experts_read(c), 2)
         for server, by_level in runs.items():
             level[server] = median_of(by_level[c])
             level[server]["fraction_of_bound"] = round(

@@ -1,11 +1,17 @@
-"""bench/peers.py's reading of torch profiler tables (the layout vLLM and our workers write)."""
+"""bench/peers.py: its reading of torch profiler tables (the layout vLLM and our workers write),
+and the bandwidth bound's bytes per decode step, dense and mixture of experts."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
+from safetensors.torch import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from bench.peers import op_profile
+from bench.peers import StepBytes, op_profile, step_bytes, summarize
 
 
 def test_a_real_profiler_table_becomes_ms_per_forward_by_op() -> None:
@@ -44,3 +50,50 @@ def test_our_decode_passes_in_c_count_as_one_forward_each() -> None:
             cpu_kernels.panel_linear(x, w, None, 64)
     table = session.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
     assert op_profile(table, linears_per_forward=3)["forwards"] == 7
+
+
+def test_experts_read_is_the_expected_distinct_count_of_random_top_k_routing() -> None:
+    """E * (1 - (1 - k/E)^B) against routing simulated as the engine routes: the top k of each
+    token's router logits (random here), distinct experts counted per step."""
+    weights = StepBytes(weight_bytes=0, dense_bytes=0, expert_bytes=0, num_experts=128, top_k=8)
+    generator = torch.Generator().manual_seed(0)
+    for batch in (1, 8, 32):
+        logits = torch.randn(2000, batch, 128, generator=generator)  # 2,000 steps
+        picks = logits.topk(8, dim=-1).indices.reshape(2000, -1)
+        hit = torch.zeros(2000, 128).scatter_(1, picks, 1.0).sum(1)
+        assert abs(hit.mean().item() - weights.experts_read(batch)) < 0.01 * weights.experts_read(
+            batch
+        )
+    assert weights.experts_read(1) == pytest.approx(8.0)
+
+
+def test_a_moe_step_reads_the_dense_weights_and_the_selected_share_of_experts(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.tools.test_tiny_arch_bench_moe import SMALL
+    from tools.tiny_arch import bench_moe
+
+    bench_moe.build_bench_moe(tmp_path, dtype="bfloat16", sizes=SMALL)
+    weights = step_bytes(tmp_path)
+    hidden, inter, vocab = SMALL["hidden_size"], SMALL["moe_intermediate_size"], SMALL["vocab_size"]
+    experts = 2 * SMALL["num_hidden_layers"] * SMALL["num_experts"] * 3 * hidden * inter
+    total = 2 * bench_moe.parameter_count(SMALL)
+    assert (weights.weight_bytes, weights.expert_bytes) == (total, experts)
+    assert weights.dense_bytes == total - experts - 2 * vocab * hidden  # untied: no embedding
+    assert (weights.num_experts, weights.top_k) == (16, 4)
+    assert weights.at_batch(1) == pytest.approx(weights.dense_bytes + experts * 4 / 16)
+    share = 1 - (1 - 4 / 16) ** 8
+    assert weights.at_batch(8) == pytest.approx(weights.dense_bytes + experts * share)
+    assert weights.at_batch(1000) == pytest.approx(total - 2 * vocab * hidden)
+
+
+def test_a_dense_tied_model_reads_every_weight_each_step(tmp_path: Path) -> None:
+    tensors = {"model.embed_tokens.weight": torch.zeros(32, 8), "model.norm.weight": torch.ones(8)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    weights = step_bytes(tmp_path)
+    assert weights.dense_bytes == weights.weight_bytes == 4 * (32 * 8 + 8)
+    assert weights.at_batch(1) == weights.at_batch(32) == weights.dense_bytes
+    summary = summarize({}, [1, 4], weights, bandwidth=1.0)
+    assert summary["levels"][4]["bandwidth_bound_tokens_per_s"] == round(4e9 / (4 * 264), 1)
+    assert "experts_read_per_layer" not in summary["levels"][4]
