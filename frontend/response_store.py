@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import msgspec
 import redis
 
-from common.responses_schema import FunctionCallItem, MessageItem, Response
+from common.responses_schema import FunctionCallItem, MessageItem, ReasoningItem, Response
 
 Turns = list[dict[str, Any]]
 
@@ -56,11 +56,17 @@ def open_store(location: str) -> ResponseStore:
 
 def conversation(body: bytes, turns: Turns) -> tuple[str, str]:
     """(the response id, the conversation it ends as JSON): `turns` and the output as an
-    assistant turn."""
+    assistant turn, its reasoning items as the turn's reasoning_content (a harmony model renders
+    them while the turn's calls are being answered; responses.as_chat_request drops them for the
+    others, as it drops reasoning input items)."""
     response = msgspec.json.decode(body, type=Response)
     text = "".join(
         part.text for item in response.output if isinstance(item, MessageItem)
         for part in item.content
+    )  # fmt: skip
+    reasoning = "\n".join(
+        "".join(part.text for part in item.content)
+        for item in response.output if isinstance(item, ReasoningItem)
     )  # fmt: skip
     calls = [
         {"id": item.call_id, "type": "function",
@@ -69,6 +75,8 @@ def conversation(body: bytes, turns: Turns) -> tuple[str, str]:
         if isinstance(item, FunctionCallItem)
     ]  # fmt: skip
     turn: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if reasoning:
+        turn["reasoning_content"] = reasoning
     if calls:
         turn["tool_calls"] = calls
     return response.id, json.dumps([*turns, turn])

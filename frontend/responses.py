@@ -11,7 +11,8 @@ function_call_output items    → tool turns
 reasoning items               → dropped (the template keeps no past reasoning); on a harmony
                                 model, the reasoning_content of the assistant turn that
                                 follows (kept while its calls are answered: common/harmony.py)
-previous_response_id          → that response's input and output first (response_store.py)
+previous_response_id          → that response's input and output first (response_store.py;
+                                its reasoning as above: kept on a harmony model only)
 text.format                   → response_format;  reasoning.effort → reasoning_effort
 max_output_tokens             → max_completion_tokens
 """
@@ -178,6 +179,8 @@ def as_chat_request(
         raise InvalidRequest("top_logprobs are not available on /v1/responses", "top_logprobs")
     if body.background:
         raise InvalidRequest("background responses are not supported", "background")
+    if not keep_reasoning:  # as input_messages drops reasoning items
+        history = [{k: v for k, v in turn.items() if k != "reasoning_content"} for turn in history]
     messages = [*history, *input_messages(body.input, keep_reasoning)]
     if body.instructions:  # instructions are not carried over by previous_response_id
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -207,6 +210,12 @@ def as_chat_request(
         raise InvalidRequest(f"input: {e}", "input") from None
 
 
+def _echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as the Response echoes it: `parameters` and `strict` always present
+    (null when the request left them out), as the Response schema requires."""
+    return {"parameters": None, "strict": None, **tool}
+
+
 def settings(body: ResponsesRequest) -> ResponseSettings:
     """What the Response echoes of its request."""
     return ResponseSettings(
@@ -219,7 +228,7 @@ def settings(body: ResponsesRequest) -> ResponseSettings:
         temperature=body.temperature,
         text=body.text or {"format": {"type": "text"}},
         tool_choice=body.tool_choice or "auto",
-        tools=body.tools or [],
+        tools=[_echoed_tool(tool) for tool in body.tools or []],
         top_p=body.top_p,
         user=body.user if body.user is not None else msgspec.UNSET,
         metadata=body.metadata or {},

@@ -47,7 +47,7 @@ async def create_response(request: Request) -> Response:
     answer = await serve(request, state.client, generates, media="responses", timeout_s=timeout_s)
     if not body.store or answer.status_code != 200:
         return answer
-    turns = [*history, *responses.input_messages(body.input)]
+    turns = [*history, *responses.input_messages(body.input, keep_reasoning=state.model.harmony)]
     if isinstance(answer, StreamingResponse):
         answer.body_iterator = _store_when_done(store, answer.body_iterator, turns)
     else:

@@ -195,6 +195,29 @@ def test_the_responses_route_renders_harmony_and_returns_reasoning_items(
     assert second.output_text == "It is sunny in Oslo."
 
 
+def test_previous_response_id_renders_the_stored_reasoning_before_its_call(
+    oai: openai.OpenAI, fake: FakeClusterClient, model: ModelInfo
+) -> None:
+    """The stored conversation keeps the reasoning item: the follow-up by previous_response_id
+    renders the prompt that sending the items back whole renders."""
+    answer_with(fake, model, THOUGHT + CALL, CALL_ID)
+    tool: Any = {"type": "function", **WEATHER["function"]}
+    first = oai.responses.create(model=model.name, input="Weather in Oslo?", tools=[tool])
+    call = first.output[1]
+    assert call.type == "function_call"
+    result: Any = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer_with(fake, model, THOUGHT + FINAL, RETURN_ID)
+    chained = oai.responses.create(model=model.name, previous_response_id=first.id,
+                                   input=[result], tools=[tool])  # fmt: skip
+    output = [item.model_dump(exclude_none=True) for item in first.output]
+    items: Any = [{"role": "user", "content": "Weather in Oslo?"}, *output, result]
+    oai.responses.create(model=model.name, input=items, tools=[tool])
+    by_id, whole = (prompt_of(model, request) for request in fake.submitted[-2:])
+    assert by_id == whole
+    assert "<|channel|>analysis<|message|>Need the weather.<|end|>" in by_id
+    assert chained.output_text == "It is sunny in Oslo."
+
+
 def test_anthropic_messages_on_gpt_oss_go_through_harmony(
     http: TestClient, fake: FakeClusterClient, model: ModelInfo
 ) -> None:

@@ -9,7 +9,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.responses_schema import FunctionCallItem, MessageItem, OutputText, Response
+from common.responses_schema import (
+    FunctionCallItem,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+)
 from frontend.response_store import ResponseStore, open_store
 from tests.redis_server import redis_server
 
@@ -40,3 +47,19 @@ def test_a_stored_response_comes_back_with_its_conversation(store: ResponseStore
     ]  # fmt: skip
     assert store.delete("resp_1") and store.get("resp_1") is None
     assert not store.delete("resp_1")
+
+
+def test_a_stored_responses_reasoning_is_its_turns_reasoning_content(store: ResponseStore) -> None:
+    """A harmony model renders it back while the turn's calls are being answered."""
+    response = Response(id="resp_2", created_at=1, model="m", output=[
+        ReasoningItem(id="rs_1", content=[ReasoningText(text="Need x.")]),
+        FunctionCallItem(id="fc_1", call_id="call_1", name="f", arguments="{}"),
+    ])  # fmt: skip
+    store.put(msgspec.json.encode(response), [{"role": "user", "content": "Check x."}])
+    stored = store.get("resp_2")
+    assert stored is not None
+    assert stored[1][-1] == {
+        "role": "assistant", "content": None, "reasoning_content": "Need x.",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "f", "arguments": "{}"}}],
+    }  # fmt: skip
