@@ -22,8 +22,9 @@ A message goes by its header, as vLLM maps it (entrypoints/openai harmony stream
 
 Messages of one kind in a row are joined with "\\n" (vLLM joins them so). Malformed output never
 fails: a header ended by anything but `<|message|>` becomes content (its markers removed); a
-header cut by the end of the output is dropped when it holds `<|channel|>` or a recipient (it was
-metadata), else it is content (a model not writing harmony at all); a stray `<|channel|>`,
+header cut by the end of the output is dropped when it follows `<|start|>` (a role, say
+`assistant` cut by max_tokens) or holds `<|channel|>` or a recipient (it was metadata), else it
+is content (a model not writing harmony at all); a stray `<|channel|>`,
 `<|message|>` or `<|constrain|>` in a body is dropped; a message cut by the end of the output
 keeps what it had (a call with its arguments so far, `{}` when it had none). The markers never
 reach the client; other special tokens are removed before this parser (pipeline.py).
@@ -81,6 +82,7 @@ class HarmonyParser(ToolParser):
         self._wrote: set[str] = set()  # kinds that have text already: the next gets a "\n"
         self._separator = ""
         self._call_arguments = False  # the open call had argument text
+        self._started = False  # the header being read follows <|start|>: a message's role
         super().__init__(in_tool_call=in_tool_call)
 
     def take_reasoning(self) -> str:
@@ -98,7 +100,8 @@ class HarmonyParser(ToolParser):
         if self._kind:
             self._close_message()
         header = self._header
-        if header.strip() and CHANNEL not in header and not _RECIPIENT.search(header):
+        metadata = self._started or CHANNEL in header or _RECIPIENT.search(header)
+        if header.strip() and not metadata:
             self._emit_content(self._marker_set.remove(header))  # not harmony at all
         self._header = ""
         if self._held_ws:
@@ -119,6 +122,7 @@ class HarmonyParser(ToolParser):
         if self._kind:
             if marker in _ENDS:
                 self._close_message()
+                self._started = marker == START
             return True  # a stray <|channel|>, <|message|> or <|constrain|> is dropped
         if marker == MESSAGE:
             self._open_message()
@@ -128,6 +132,7 @@ class HarmonyParser(ToolParser):
             if self._header.strip():
                 self._emit_content(self._marker_set.remove(self._header))
             self._header = ""
+            self._started = marker == START
         return True
 
     def _take(self, text: str) -> None:
@@ -151,6 +156,7 @@ class HarmonyParser(ToolParser):
     def _open_message(self) -> None:
         kind, name = header_kind(self._header, self._parse_tools)
         self._header = ""
+        self._started = False
         self._kind = kind
         self._separator = "\n" if kind in self._wrote else ""
         if kind == "call":

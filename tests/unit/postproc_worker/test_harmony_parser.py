@@ -84,6 +84,10 @@ CASES: list[tuple[str, tuple[str, str, list[list[str]]]]] = [
         ("cut in the middle of thi", "", []),
     ),
     ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>fin", ("x", "", [])),
+    # max_tokens cuts the next message's role: metadata, not content
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant", ("x", "", [])),
+    ("<|channel|>analysis<|message|>x<|end|><|start|>ass", ("x", "", [])),
+    ("<|channel|>final<|message|>a<|start|>assist", ("", "a", [])),
     (
         f'<|channel|>analysis<|message|>x<|end|><|start|>assistant{CALL_HEADER}{{"loc',
         ("x", "", [["get_weather", '{"loc']]),
