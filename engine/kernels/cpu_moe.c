@@ -20,8 +20,9 @@
  *   8       48        18.2   48       62     18.1    30.6   71       77     36.2
  *   32      111       42     116      280    41.9    77     209      320    83.8
  *
- * i.e. 22-30 GB/s, what one core streams. Two threads: 1.8 ms at one token in bfloat16
- * (42 GB/s); the larger cases could not be timed cleanly while other jobs held the second core.
+ * i.e. 22-30 GB/s, what one core streams. Two threads, bfloat16, the best of ten rounds while
+ * other jobs kept a core busy: 1.7 / 15.3 / 40 ms at 1 / 8 / 32 tokens (45 / 33 / 26 GB/s);
+ * an idle host should do better at 8 and 32, not measured here.
  *
  * One call, a chunk of tokens at a time (all of a decode step's; a prefill's in chunks whose
  * buffers fit chunk_bytes, 64 MB from cpu_kernels.py, each chunk one more pass over the
