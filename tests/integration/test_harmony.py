@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -292,24 +293,26 @@ def test_greedy_chat_is_transformers_generate_on_the_harmony_prompt(
     """The prompt ids the cluster rendered are transformers' tokenizer on the harmony renderer's
     text, and the output ids are transformers `generate` on them: a plain question, a call, and
     the turn after the tool's result (tool_choice auto: no grammar between the model and its
-    greedy choice)."""
+    greedy choice), asked at once (one continuous batch, parsed by the postproc pool's
+    workers side by side)."""
     _, tokenizer = reference
     first = chat(oai, ASK_WEATHER, tools=CHAT_TOOLS)
     call = first.choices[0].message.tool_calls[0]
     result = {"role": "tool", "tool_call_id": call.id, "content": WEATHER_RESULT}
     after_result = [*ASK_WEATHER, first.choices[0].message.model_dump(exclude_none=True), result]
-    for messages, tools in [(PLAIN, None), (ASK_WEATHER, CHAT_TOOLS), (after_result, CHAT_TOOLS)]:
-        options = {"tools": tools} if tools else {}
-        completion = chat(oai, messages, **options)
+    asked = [(PLAIN, []), (ASK_WEATHER, CHAT_TOOLS), (after_result, CHAT_TOOLS)]
+    with ThreadPoolExecutor(len(asked)) as pool:
+        completions = list(pool.map(lambda a: chat(oai, a[0], tools=a[1] or openai.omit), asked))
+    settings = harmony.SystemSettings(date=time.strftime("%Y-%m-%d"))
+    stops = [harmony_id(tokenizer, harmony.RETURN), harmony_id(tokenizer, harmony.CALL)]
+    for (messages, tools), completion in zip(asked, completions, strict=True):
         prompt_ids = completion.model_extra["prompt_token_ids"]
-        settings = harmony.SystemSettings(date=time.strftime("%Y-%m-%d"))
-        functions = [t["function"] for t in tools or []]
-        text = harmony.render(messages, functions, settings)
+        text = harmony.render(messages, [t["function"] for t in tools], settings)
         assert prompt_ids == tokenizer.encode(text, add_special_tokens=False)
         output_ids = completion.choices[0].model_extra["token_ids"]
         assert output_ids == hf_greedy_ids(reference, prompt_ids, MAX_NEW)
-        assert output_ids[-1] in (harmony_id(tokenizer, harmony.RETURN),
-                                  harmony_id(tokenizer, harmony.CALL))  # fmt: skip
+        assert output_ids[-1] in stops
+    assert completions[1].choices[0].message.tool_calls[0].function == call.function
     assert_idle(cluster)
 
 
