@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -142,6 +143,25 @@ def write_config(
         f"{extra}"
     )
     return path, port
+
+
+def launch(tmp_path: Path, mode: str, model: str = MODEL, frontend: str = "") -> Cluster:
+    """`orchestrator up` on a config of its own in `tmp_path`, once healthy (stopped, and the
+    error raised, if it never gets there); the caller stops it."""
+    config, port = write_config(tmp_path / f"{mode}.yaml", mode, frontend=frontend, model=model)
+    log_path = tmp_path / f"{mode}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "up", str(config)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    cluster = Cluster(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        wait_healthy(cluster)
+    except BaseException:
+        stop(cluster, [])
+        raise
+    return cluster
 
 
 def wait_healthy(cluster: Cluster) -> None:

@@ -8,8 +8,6 @@ Slow (14 clusters one after another, some checkpoints trained at build time): `l
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import Cluster, hf_greedy_texts, stop, wait_healthy, write_config
+from tests.integration.harness import Cluster, hf_greedy_texts, launch, stop
 from tools.tiny_model.build import TEST_PROMPTS
 
 pytestmark = pytest.mark.long
@@ -25,23 +23,6 @@ pytestmark = pytest.mark.long
 ARCHES = ["mistral", "gemma2", "gemma3", "phi3", "qwen3-moe", "mixtral", "gpt-oss"]
 MAX_NEW = 24
 PROMPTS = [*TEST_PROMPTS[:4], " ".join(TEST_PROMPTS)]
-
-
-def start(tmp_path: Path, model: str, mode: str) -> Cluster:
-    config, port = write_config(tmp_path / f"{mode}.yaml", mode, model=model)
-    log_path = tmp_path / f"{mode}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "up", str(config)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    cluster = Cluster(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        wait_healthy(cluster)
-    except BaseException:
-        stop(cluster, [])
-        raise
-    return cluster
 
 
 @pytest.fixture(params=["disaggregated", "aggregated"])
@@ -53,7 +34,7 @@ def served(
 
     model = f"builtin:tiny-{arch}"
     ensure_builtin(model)  # built here, not inside `up`'s start-up timeout
-    cluster = start(tmp_path, model, request.param)
+    cluster = launch(tmp_path, request.param, model)
     pids = [w.pid for w in cluster.info().workers]
     yield cluster, model
     stop(cluster, pids)

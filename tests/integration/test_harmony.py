@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +36,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from common import harmony
 from tests.integration import openai_spec
-from tests.integration.harness import Cluster, stop, wait_healthy, write_config
+from tests.integration.harness import Cluster, launch, stop
 
 pytestmark = pytest.mark.long
 
@@ -81,23 +79,10 @@ def cluster(
     from engine.builtin_build import ensure_builtin
 
     ensure_builtin(MODEL)  # built here, not inside `up`'s start-up timeout
-    mode = request.param
-    tmp = tmp_path_factory.mktemp(f"harmony-{mode}")
+    tmp = tmp_path_factory.mktemp(f"harmony-{request.param}")
     store = f"responses_store: {tmp / 'responses.sqlite3'}"
-    config, port = write_config(tmp / "cluster.yaml", mode, frontend=store, model=MODEL)
-    log_path = tmp / "cluster.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "up", str(config)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    started = Cluster(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        wait_healthy(started)
-        pids = [w.pid for w in started.info().workers]
-    except BaseException:
-        stop(started, [])
-        raise
+    started = launch(tmp, request.param, MODEL, frontend=store)
+    pids = [w.pid for w in started.info().workers]
     yield started
     stop(started, pids)
 
