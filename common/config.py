@@ -163,6 +163,9 @@ class ClusterConfig(_Section, frozen=True):
     # PULL sockets, UCX listeners) is taken from here; None: any free port
     port_range: tuple[Port, Port] | None = None
     tool_parser: ToolParserName | None = None  # None: the builtin's, else by config.json model_type
+    # the longest prompt + output served (vLLM's --max-model-len); None: the model's
+    # max_position_embeddings, capped at what the KV cache holds (context_length below)
+    max_model_len: Positive | None = None
 
     frontend: FrontendConfig = FrontendConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -179,6 +182,36 @@ class ClusterConfig(_Section, frozen=True):
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all
         if self.port_range is not None and not self.port_range[0] < self.port_range[1]:
             raise ValueError(f"port_range must be [low, high] with low < high: {self.port_range}")
+
+
+def context_length(
+    model_max: int, requested: int | None, num_blocks: int, block_size: int
+) -> tuple[int, str | None]:
+    """(the context length a cluster serves, why it is shorter than the model's, or None).
+
+    Asked for (cluster.yaml `max_model_len`, `LLM(max_model_len=)`): that, which must fit the
+    model's positions and the KV cache (a longer request could never run), else a ValueError.
+    Not asked for: the model's length, capped at the cache's tokens, as SGLang does (vLLM refuses
+    to start instead): a 131k-position model on a 32k-token cache serves 32k-token requests,
+    where a request leaving max_tokens out would otherwise ask for all 131k and be refused."""
+    capacity = num_blocks * block_size
+    if requested is not None:
+        if requested > model_max:
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's max_position_embeddings {model_max}"
+            )
+        if requested > capacity:
+            raise ValueError(
+                f"max_model_len {requested} exceeds the KV cache's {capacity} tokens "
+                f"({num_blocks} blocks of {block_size}): raise kv_cache.num_blocks"
+            )
+        return requested, None
+    if model_max > capacity:
+        return capacity, (
+            f"context length {capacity} tokens (the KV cache's {num_blocks} blocks of "
+            f"{block_size}), not the model's {model_max}: raise kv_cache.num_blocks for more"
+        )
+    return model_max, None
 
 
 class ConfigError(ValueError):

@@ -25,7 +25,8 @@ class EngineConfig:
     max_num_batched_tokens: int = (
         2048  # token budget of one step; smaller means smaller prefill chunks
     )
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings, capped at the cache (common.config.context_length)
+    max_model_len: int | None = None
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ Workers drive it directly (add_request / step / abort); `engine.llm.LLM` wraps i
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import msgspec
 import torch
 
 from common.block_hash import ExtraKey
+from common.config import context_length
 from common.errors import InvalidRequest
 from common.kv_events import KVEvent
 from common.protocol import FinishReason
@@ -69,6 +71,8 @@ class AdmissionCounters:
     queue_seconds: float  # ... and the seconds they waited for them, in all
 
 
+logger = logging.getLogger(__name__)
+
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once
 
 
@@ -77,12 +81,13 @@ class LLMEngine:
         self.config = config
         self.model_dir = config.model_dir()
         self.model_config = read_model_config(self.model_dir)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(  # past them the rotary tables have no rows, nor the model training
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{self.model_config.max_position_embeddings}"
-            )
+        # past max_position_embeddings the rotary tables have no rows, nor the model training
+        self.max_model_len, capped = context_length(
+            self.model_config.max_position_embeddings, config.max_model_len, config.num_blocks,
+            config.block_size,
+        )  # fmt: skip
+        if capped:
+            logger.info("%s", capped)
         self.model = load_model(
             self.model_dir, self.model_config, config.torch_dtype, self.max_model_len
         ).to(config.device)

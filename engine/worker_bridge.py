@@ -38,6 +38,7 @@ def engine_config(
         enable_prefix_caching=config.kv_cache.prefix_caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=config.max_model_len,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import llguidance
 
 from common.builtin_models import builtin_model, resolve_model_dir
-from common.config import ClusterConfig
+from common.config import ClusterConfig, context_length
 from common.errors import InvalidRequest
 from common.guided import ll_tokenizer
 from common.parser_choice import HARMONY_MODEL_TYPES, ToolParserName, tool_parser_for
@@ -59,6 +59,8 @@ class ModelInfo:
 def load_model_info(config: ClusterConfig) -> ModelInfo:
     model_dir = resolve_model_dir(config.model, config.dtype)
     hf_config = json.loads((model_dir / "config.json").read_text())
+    # a multimodal checkpoint (Gemma 3) keeps the language model's sizes in text_config
+    text_config = hf_config.get("text_config") or hf_config
     model_type = str(hf_config.get("model_type", ""))
     builtin = builtin_model(config.model)
     eos = hf_config.get("eos_token_id")
@@ -73,9 +75,14 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         if model_type in HARMONY_MODEL_TYPES
         else config.tool_parser or (builtin and builtin.tool_parser) or tool_parser_for(model_type),
         tokenizer=tokenizer,
-        max_model_len=int(hf_config["max_position_embeddings"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        hidden_size=int(hf_config["hidden_size"]),
+        max_model_len=context_length(
+            int(text_config["max_position_embeddings"]),
+            config.max_model_len,
+            config.kv_cache.num_blocks,
+            config.kv_cache.block_size,
+        )[0],  # fmt: skip
+        vocab_size=int(text_config["vocab_size"]),
+        hidden_size=int(text_config["hidden_size"]),
         eos_token_ids=eos_ids,
         sampling_defaults=SamplingDefaults.of_model(model_dir)
         if config.frontend.sampling_defaults == "model"

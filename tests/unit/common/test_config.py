@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
+from common.config import (
+    ClusterConfig,
+    ConfigError,
+    context_length,
+    load_cluster_config,
+    parse_cluster_config,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -48,3 +54,14 @@ def test_bad_values_name_the_key(text: str, expected: str) -> None:
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_cluster_config(tmp_path / "nope.yaml")
+
+
+def test_the_context_length_is_the_models_capped_at_what_the_kv_cache_holds() -> None:
+    assert context_length(4096, None, num_blocks=512, block_size=16) == (4096, None)
+    length, why = context_length(131072, None, num_blocks=512, block_size=16)
+    assert length == 8192 and why is not None and "131072" in why and "num_blocks" in why
+    assert context_length(131072, 2048, num_blocks=512, block_size=16) == (2048, None)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 4096"):
+        context_length(4096, 5000, num_blocks=4096, block_size=16)
+    with pytest.raises(ValueError, match="exceeds the KV cache's 8192 tokens"):
+        context_length(131072, 10000, num_blocks=512, block_size=16)
