@@ -32,6 +32,7 @@ from engine.linear import choose_layout, drop_decode_copies, pack_linear_layers
 from engine.model_runner import ModelRunner, PromptRows
 from engine.models import load_model, read_model_config
 from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
+from engine.models.moe import use_expert_kernels
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -97,6 +98,7 @@ class LLMEngine:
         # beside oneDNN (bfloat16), the C decode step's own copy of the weights (linear.py)
         decode_copy = layout == "onednn" and cpu_kernels.library() is not None
         pack_linear_layers(self.model, layout, decode_copy)
+        self.expert_kernel = use_expert_kernels(self.model, config.device, config.attention_backend)
         norm_weight = self.model.model.norm.weight  # the model's dtype and device
         if config.attention_backend in ("auto", "cpu") and cpu_kernels.runs(norm_weight):
             use_cpu_kernels(self.model)  # "torch" keeps every op in torch, the reference path

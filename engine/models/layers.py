@@ -44,6 +44,7 @@ class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalised in float32, rounded to the dtype, times the weight."""
 
     fused = False  # the C kernel (kernels/cpu_kernels.c), set by use_cpu_kernels
+    gemma = False  # Gemma's maths (GemmaRMSNorm)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -52,7 +53,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -63,29 +64,36 @@ class RMSNorm(nn.Module):
         """The decoder's skip connection and the next norm: (norm(residual + x), residual + x)."""
         if self.fused:
             residual = residual.contiguous()
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+            return out, residual
         residual = residual + x
         return self(residual), residual
+
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, heads, head_dim) normalised per head (Qwen3's and Gemma 3's q / k norms),
+        in place where the C kernel takes the view (q and k inside the fused qkv rows)."""
+        if self.fused and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            cpu_kernels.rms_norm_heads_(x, self.weight, self.eps, self.gemma)
+            return x
+        return self(x)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as w - 1 and the product taken in float32,
     x * rsqrt(mean(x^2) + eps) * (1 + w), rounded once to the dtype."""
 
+    gemma = True
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, gemma=True)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = residual + x
-        return self(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,14 +124,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        full = self.rotary_dim == self.head_dim
-        if self.fused and full and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
+        if self.fused and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
             cpu_kernels.rope_(q, positions, self.cos, self.sin)
             cpu_kernels.rope_(k, positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions][:, None, :]  # (num_tokens, 1, rotary_dim)
         sin = self.sin[positions][:, None, :]
-        if full:
+        if self.rotary_dim == self.head_dim:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
         r = self.rotary_dim
         q = torch.cat([_rotate(q[..., :r], cos, sin), q[..., r:]], dim=-1)
@@ -180,7 +187,7 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
@@ -216,7 +223,7 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up as one matmul (stacked at load). act: SiLU
     (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma)."""
 
-    fused = False  # silu(gate) * up as the C kernel (kernels/cpu_kernels.c), set by use_cpu_kernels
+    fused = False  # act(gate) * up as the C kernel (kernels/cpu_kernels.c), set by use_cpu_kernels
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
@@ -226,8 +233,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.activation == "silu":
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+        if self.fused:
+            gated = cpu_kernels.silu_mul if self.activation == "silu" else cpu_kernels.gelu_tanh_mul
+            return self.down_proj(gated(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.activation == "silu":
             act = nn.functional.silu(gate)

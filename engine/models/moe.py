@@ -10,6 +10,11 @@ about 4 times token by token, once here).
 Expert weights are stacked as (num_experts, 2 * inter, hidden) and (num_experts, hidden, inter),
 gate rows before up rows; checkpoints that store experts one by one (Qwen3-MoE, Mixtral) or
 interleaved (gpt-oss) are converted at load by their architecture module.
+
+Three ways to run the experts, picked once at load (`use_expert_kernels`):
+    "c"       CPU with the C kernels: weights repacked for cpu_moe.c (panels, or bfloat16 pairs)
+    "triton"  CUDA: kernels/moe.py's grouped matmuls
+    "torch"   the grouping below in torch (the reference path, and any other device)
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import cpu_kernels
 from engine.linear import Linear
 from engine.model_config import MoeConfig
 
@@ -31,7 +37,8 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, hidden_size, i))
         self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if moe.expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(e, hidden_size)) if moe.expert_bias else None
-        self.expert_passes = 0  # experts run (their weights read) since load: see module doc
+        self.expert_passes = 0  # the torch path's experts run (their weights read) since load
+        self.kernel = "torch"  # see the module docstring
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids (tokens, k) int64, topk_weights (tokens, k) float32), as each architecture's
@@ -52,8 +59,41 @@ class SparseMoE(nn.Module):
         ids, weights = self.route(x)
         return self.experts(x, ids, weights)
 
+    def use_kernel(self, kernel: str) -> None:
+        """Run the experts as `kernel` from now on; "c" replaces the weights by cpu_moe.c's
+        packed copy (one expert at a time, so the layer is never held twice)."""
+        if kernel == "c":
+            for name in ("gate_up", "down"):
+                packed = cpu_kernels.pack_experts(getattr(self, name).detach())
+                delattr(self, name)
+                self.register_buffer(name, packed, persistent=False)
+            for name in ("gate_up_bias", "down_bias"):
+                bias = getattr(self, name)
+                if bias is not None:
+                    delattr(self, name)
+                    self.register_buffer(name, bias.detach().float(), persistent=False)
+        self.kernel = kernel
+
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every token's weighted sum of its experts' outputs: (tokens, hidden), x's dtype."""
+        moe = self.moe
+        if self.kernel == "c":
+            return cpu_kernels.moe_experts(
+                x, ids, weights, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
+                moe.intermediate_size, moe.activation, moe.alpha, moe.limit,
+            )  # fmt: skip
+        if self.kernel == "triton":
+            from engine.kernels.moe import grouped_moe
+
+            return grouped_moe(
+                x, ids, weights, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
+                moe.activation, moe.alpha, moe.limit,
+            )  # fmt: skip
+        return self._grouped_in_torch(x, ids, weights)
+
+    def _grouped_in_torch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (tokens * k,) slots grouped by expert
@@ -86,3 +126,24 @@ class SparseMoE(nn.Module):
         return nn.functional.linear(
             act, self.down[e], None if self.down_bias is None else self.down_bias[e]
         )
+
+
+def use_expert_kernels(model: nn.Module, device: str, attention_backend: str) -> str:
+    """Pick how every SparseMoE of the model runs (module docstring), as the attention backend
+    is picked: "torch" keeps the reference path everywhere; else Triton on CUDA ("triton" forces
+    it on CPU tensors under the interpreter), and the C kernels on a CPU where they built."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return "none"
+    dtype = layers[0].gate_up.dtype
+    if attention_backend == "torch":
+        kernel = "torch"
+    elif device.startswith("cuda") or attention_backend == "triton":
+        kernel = "triton"
+    elif cpu_kernels.library() is not None and dtype in cpu_kernels.DTYPE_CODES:
+        kernel = "c"
+    else:
+        kernel = "torch"
+    for layer in layers:
+        layer.use_kernel(kernel)
+    return kernel
