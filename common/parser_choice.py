@@ -32,6 +32,7 @@ TOOL_PARSER_FOR_MODEL_TYPE: dict[str, ToolParserName] = {
     "qwen3_moe": "hermes",
     "llama": "llama3_json",
     "mistral": "mistral",
+    "mixtral": "mistral",
     "deepseek_v3": "deepseek_v3",
     "gpt_oss": "harmony",
 }
