@@ -74,7 +74,7 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's multimodal checkpoints nest the language model's config under text_config."""
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
-        return {"model_type": "gemma3", **raw["text_config"]}
+        return {**raw["text_config"], "model_type": "gemma3"}
     return raw
 
 

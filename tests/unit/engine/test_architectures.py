@@ -77,3 +77,38 @@ def test_a_quantized_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantized checkpoints \(mxfp4\) are not supported"):
         read_model_config(tmp_path)
+
+
+@pytest.mark.long
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration (model_type gemma3, the
+    text model's config under text_config, its weights under language_model.): the engine serves
+    the text model, the vision tower left out, with transformers' own greedy output."""
+    import shutil
+
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tools.tiny_arch.build import CONFIGS
+
+    source = tiny_arch_path("gemma3")
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = Gemma3Config(text_config=CONFIGS["gemma3"]().to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4, image_token_index=4095, boi_token_index=4094,
+                          eoi_token_index=4093)  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).eval()
+    from transformers import AutoModelForCausalLM
+
+    text_model = AutoModelForCausalLM.from_pretrained(source)
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    assert read_model_config(tmp_path).model_type == "gemma3"
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tmp_path)(PROMPTS[0], return_tensors="pt").input_ids
+    expected = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)[0, ids.shape[1] :]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    (result,) = LLM(str(tmp_path), num_blocks=64).generate([PROMPTS[0]], params)
+    assert result.outputs[0].token_ids == expected.tolist()
