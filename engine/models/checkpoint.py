@@ -63,3 +63,13 @@ def stack_experts(
             [torch.cat([take(e, gate), take(e, up)]) for e in range(num_experts)]
         )
         state[f"{layer}.down"] = torch.stack([take(e, down) for e in range(num_experts)])
+
+
+def moe_from_checkpoint(state: State, num_experts: int, gate: str, up: str, down: str) -> None:
+    """A MoE layer's router (`mlp.gate`) as `mlp.router`, its experts stacked: one by one in the
+    checkpoint (stack_experts) or already stacked, as transformers 5 keeps them in memory
+    (experts.gate_up_proj / experts.down_proj)."""
+    rename(state, r"\.mlp\.gate\.weight$", ".mlp.router.weight")
+    stack_experts(state, "mlp", gate, up, down, num_experts)
+    rename(state, r"\.mlp\.experts\.gate_up_proj$", ".mlp.gate_up")
+    rename(state, r"\.mlp\.experts\.down_proj$", ".mlp.down")

@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from engine.model_config import ModelConfig, MoeConfig, base_fields, layer_windows
 from engine.models import Architecture, llama
 from engine.models.checkpoint import State
-from engine.models.decoder import CausalLM, pre_norm_model
-from engine.models.moe import SparseMoE
+from engine.models.decoder import CausalLM
+from engine.models.moe import mixture_model
 
 
 def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
@@ -51,13 +50,7 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
 
 
 def build(config: ModelConfig) -> CausalLM:
-    assert config.moe is not None
-    moe = config.moe
-
-    def mlp(layer: int) -> nn.Module:
-        return SparseMoE(config.hidden_size, moe)
-
-    return pre_norm_model(config, mlp=mlp)
+    return mixture_model(config)
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from engine.model_config import ModelConfig, MoeConfig, base_fields
 from engine.models import Architecture, llama
-from engine.models.checkpoint import State, rename, stack_experts
-from engine.models.decoder import CausalLM, pre_norm_model
-from engine.models.moe import SparseMoE
+from engine.models.checkpoint import State, moe_from_checkpoint, rename
+from engine.models.decoder import CausalLM
+from engine.models.moe import mixture_model
 
 
 def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
@@ -34,22 +32,13 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
 
 
 def build(config: ModelConfig) -> CausalLM:
-    assert config.moe is not None
-    moe = config.moe
-
-    def mlp(layer: int) -> nn.Module:
-        return SparseMoE(config.hidden_size, moe)
-
-    return pre_norm_model(config, mlp=mlp)
+    return mixture_model(config)
 
 
 def convert(state: State, config: ModelConfig) -> None:
     assert config.moe is not None
     rename(state, r"\.block_sparse_moe\.", ".mlp.")
-    rename(state, r"\.mlp\.gate\.weight$", ".mlp.router.weight")
-    stack_experts(state, "mlp", "w1", "w3", "w2", config.moe.num_experts)
-    rename(state, r"\.mlp\.experts\.gate_up_proj$", ".mlp.gate_up")
-    rename(state, r"\.mlp\.experts\.down_proj$", ".mlp.down")
+    moe_from_checkpoint(state, config.moe.num_experts, "w1", "w3", "w2")
     llama.convert(state, config)
 
 

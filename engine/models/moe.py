@@ -24,7 +24,9 @@ from torch import nn
 
 from engine.kernels import cpu_kernels
 from engine.linear import Linear
-from engine.model_config import MoeConfig
+from engine.model_config import ModelConfig, MoeConfig
+from engine.models.decoder import CausalLM, pre_norm_model
+from engine.models.layers import GatedMLP, RMSNorm
 
 
 class SparseMoE(nn.Module):
@@ -147,3 +149,16 @@ def use_expert_kernels(model: nn.Module, device: str, attention_backend: str) ->
     for layer in layers:
         layer.use_kernel(kernel)
     return kernel
+
+
+def mixture_model(config: ModelConfig, qk_norm: type[RMSNorm] | None = None) -> CausalLM:
+    """Pre-norm layers whose MLP is a SparseMoE where `config.moe_layers` says, else dense."""
+    moe = config.moe
+    assert moe is not None
+
+    def mlp(layer: int) -> nn.Module:
+        if config.is_moe(layer):
+            return SparseMoE(config.hidden_size, moe)
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+
+    return pre_norm_model(config, qk_norm=qk_norm, mlp=mlp)

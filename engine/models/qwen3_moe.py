@@ -7,14 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from engine.model_config import ModelConfig, MoeConfig, base_fields
 from engine.models import Architecture, llama
-from engine.models.checkpoint import State, rename, stack_experts
-from engine.models.decoder import CausalLM, pre_norm_model
-from engine.models.layers import GatedMLP, RMSNorm
-from engine.models.moe import SparseMoE
+from engine.models.checkpoint import State, moe_from_checkpoint
+from engine.models.decoder import CausalLM
+from engine.models.layers import RMSNorm
+from engine.models.moe import mixture_model
 
 
 def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
@@ -41,25 +39,12 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
 
 
 def build(config: ModelConfig) -> CausalLM:
-    assert config.moe is not None
-    moe = config.moe
-
-    def mlp(layer: int) -> nn.Module:
-        if config.is_moe(layer):
-            return SparseMoE(config.hidden_size, moe)
-        return GatedMLP(config.hidden_size, config.intermediate_size)
-
-    return pre_norm_model(config, qk_norm=RMSNorm, mlp=mlp)
+    return mixture_model(config, qk_norm=RMSNorm)
 
 
 def convert(state: State, config: ModelConfig) -> None:
-    """The router `mlp.gate` -> `mlp.router`; experts one by one -> stacked (or already stacked,
-    as transformers 5 keeps them in memory: experts.gate_up_proj / experts.down_proj)."""
     assert config.moe is not None
-    rename(state, r"\.mlp\.gate\.weight$", ".mlp.router.weight")
-    stack_experts(state, "mlp", "gate_proj", "up_proj", "down_proj", config.moe.num_experts)
-    rename(state, r"\.mlp\.experts\.gate_up_proj$", ".mlp.gate_up")
-    rename(state, r"\.mlp\.experts\.down_proj$", ".mlp.down")
+    moe_from_checkpoint(state, config.moe.num_experts, "gate_proj", "up_proj", "down_proj")
     llama.convert(state, config)
 
 
