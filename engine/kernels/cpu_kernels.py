@@ -2,7 +2,10 @@
 prefill, with sliding windows, soft caps and attention sinks) and KV stores, RMSNorm (Llama's or
 Gemma's rounding, with its residual add, or per head in place for q/k norms), rotary embedding
 (full or partial), the MLP's SiLU- or GELU-and-product; the linear layers' panel matmul
-(cpu_linear.c, see engine/linear.py); and a MoE layer's experts grouped by expert (cpu_moe.c).
+(cpu_linear.c, see engine/linear.py); a MoE layer's experts grouped by expert (cpu_moe.c); and
+a whole decode forward pass in one call (cpu_decode_step.c, its MoE layers in
+cpu_decode_moe.c, their top-k in torch.topk's order in cpu_topk.cpp: the one C++ source, built
+by the same compiler driver, which picks the language by the extension).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
@@ -40,9 +43,14 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_moe.c")
+    for name in (
+        "cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_decode_moe.c", "cpu_moe.c",
+        "cpu_topk.cpp",
+    )
+)  # fmt: skip
+HEADERS = tuple(  # included by the sources
+    Path(__file__).with_name(name) for name in ("cpu_dtypes.h", "cpu_decode_step.h")
 )
-HEADERS = (Path(__file__).with_name("cpu_dtypes.h"),)  # included by the sources
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
     "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -64,7 +72,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "silu_mul": (None, [_p, _p, _i64, _i64, _int]),
     "gelu_tanh_mul": (None, [_p, _p, _i64, _i64, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
-    "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p]),
+    "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
     "moe_experts": (
@@ -72,6 +80,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
         [*[_p] * 8, *[_i64] * 5, _int, _int, _int, _f32, _f32, _i64, _int],
     ),
     "expert_passes": (_i64, []),
+    "topk_largest": (None, [_p, _i64, _i64, _p, _p, _p]),
 }
 EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS
 MOE_CHUNK_BYTES = 64 << 20  # moe_experts' buffers: 320 tokens of a Qwen3-MoE layer at a time
@@ -403,25 +412,86 @@ def expert_passes() -> int:
     return int(lib.expert_passes())
 
 
-class DecodeLayer(ctypes.Structure):
-    """cpu_decode_step.c's DecodeLayer: one layer's panels, norms and KV cache views."""
+def topk_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices), (rows, k) each, of the k largest of each row of x (rows, n) read as
+    float32: torch.topk's values in its order, ties included (cpu_topk.cpp, what the decode
+    step's routers run)."""
+    lib = library()
+    assert lib is not None and x.dim() == 2 and 0 < k <= x.shape[1]
+    x32 = x.float().contiguous()
+    rows, n = x32.shape
+    values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    work = torch.empty(n, 2, dtype=torch.int64)  # (value, index) pairs of 16 bytes
+    for r in range(rows):
+        _run(
+            "topk_largest", x32[r].data_ptr(), n, k, work.data_ptr(), values[r].data_ptr(),
+            ids[r].data_ptr(),
+        )  # fmt: skip
+    return values, ids
 
-    _fields_ = [(name, _p) for name in (
-        "qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "k_cache", "v_cache",
-    )]  # fmt: skip
+
+class LayerAttention(ctypes.Structure):
+    """cpu_decode_step.h's LayerAttention: a layer's attention tensors and settings."""
+
+    _fields_ = [
+        *((name, _p) for name in (
+            "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "cos", "sin",
+            "k_cache", "v_cache",
+        )),
+        ("rotary_dim", _i64), ("positions_row", _i64), ("window", _i64), ("scale", _f32),
+        ("soft_cap", _f32),
+    ]  # fmt: skip
+
+
+class LayerMlp(ctypes.Structure):
+    """cpu_decode_step.h's LayerMlp: dense (gate_up, down) or a mixture (router set)."""
+
+    _fields_ = [
+        *((name, _p) for name in (
+            "gate_up", "down", "router", "router_bias", "experts_gate_up", "experts_down",
+            "experts_gate_up_bias", "experts_down_bias",
+        )),
+        ("activation", _i64),
+    ]  # fmt: skip
+
+
+class DecodeLayer(ctypes.Structure):
+    """cpu_decode_step.h's DecodeLayer: one layer's tensors, by address."""
+
+    _fields_ = [
+        ("attn", LayerAttention),
+        *((name, _p) for name in ("input_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")),
+        ("mlp", LayerMlp),
+    ]
+
+
+class MoeShape(ctypes.Structure):
+    """cpu_decode_step.h's MoeShape: the mixture of experts' settings (zeros: none)."""
+
+    _fields_ = [
+        *((name, _i64) for name in (
+            "num_experts", "top_k", "intermediate", "chunk_bytes", "routing", "renormalize",
+            "activation", "pairs",
+        )),
+        ("alpha", _f32), ("limit", _f32),
+    ]  # fmt: skip
 
 
 class DecodeShape(ctypes.Structure):
-    """cpu_decode_step.c's DecodeShape: the model's sizes and the step's attention layout."""
+    """cpu_decode_step.h's DecodeShape: the model's sizes and the step's attention layout."""
 
     _fields_ = [
         *((name, _i64) for name in (
             "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-            "block_stride", "max_blocks", "window",
+            "block_stride", "max_blocks",
         )),
-        ("eps", _f32), ("scale", _f32), ("soft_cap", _f32), ("threads", _int), ("dtype", _int),
-        ("pairs", _int),
+        ("eps", _f32), ("threads", _int), ("dtype", _int), ("pairs", _int), ("gemma", _int),
+        ("moe", MoeShape),
     ]  # fmt: skip
+
+
+MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu_decode_step.h's MLP_*
+ROUTINGS = {"topk_softmax": 0, "softmax_topk": 1}  # cpu_decode_step.h's TOPK_SOFTMAX, ...
 
 
 def decode_step(
@@ -433,15 +503,15 @@ def decode_step(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
 ) -> torch.Tensor:
     """A decode-only forward pass (cpu_decode_step.c): x (rows, hidden), the embeddings of each
-    sequence's new token, in; the final hidden states out (x itself)."""
+    sequence's new token, in; the final hidden states out (x itself). positions: (n, rows), the
+    rotary tables' rows per token, row i read by the layers whose positions_row is i."""
     lib = library()
     assert lib is not None and x.dtype in DTYPE_CODES and x.is_contiguous()
     rows = x.shape[0]
     positions = positions.to(torch.int64).contiguous()
+    assert positions.dim() == 2 and positions.shape[1] == rows
     slots = slot_mapping.to(torch.int64).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
@@ -452,10 +522,10 @@ def decode_step(
         "decode_step",
         layers, len(layers), ctypes.byref(shape), x.data_ptr(), final_norm.data_ptr(), rows,
         positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
+        scratch.data_ptr(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError("decode step: no memory for the attention scores")
+        raise MemoryError("decode step: no memory for the attention scores or the experts")
     return x
 
 

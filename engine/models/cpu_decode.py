@@ -1,24 +1,51 @@
 """The CPU fast path of a model: its norms, rotary and activation as the C kernels, and decode-only
 batches as one C call (kernels/cpu_decode_step.c) where that pass computes what `forward` would.
 
-The C step strings the same kernels together in the same order; it covers the layers it knows
-(see `c_step_runs`), and a model with any other layer keeps the Python forward.
+The C step strings the same kernels together in the same order, for every layer the registered
+architectures build (see `c_step_runs`); it reads each layer's tensors by address from a table
+made once per KV cache (`CStep`). Which module fills which field:
+
+    PreNormDecoderLayer      input_layernorm -> input_norm, post_attention_layernorm -> mlp_norm
+    GemmaDecoderLayer        input_layernorm -> input_norm, post_attention_layernorm ->
+                             attn_out_norm, pre_feedforward_layernorm -> mlp_norm,
+                             post_feedforward_layernorm -> mlp_out_norm
+    Attention                qkv_proj, q_norm / k_norm, o_proj (+ bias), sinks (float32), the
+                             layer's window, scale and soft cap; its rotary's tables
+    GatedMLP / SparseMoE     gate_up_proj, down_proj, activation / router, packed experts
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from engine.kernels import cpu_kernels
 from engine.linear import Linear
+from engine.model_config import ModelConfig
 from engine.models.decoder import CausalLM, PreNormDecoderLayer
-from engine.models.layers import AttentionMetadata, GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from engine.models.gemma import GemmaDecoderLayer
+from engine.models.layers import Attention, AttentionMetadata, GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.moe import SparseMoE
 
 # Beside oneDNN's bfloat16 layers, without the kernels' bfloat16 pairs: the batch size up to
 # which the C step (panels widened to float32) is faster than oneDNN's dot products (linear.py).
 C_DECODE_MAX_ROWS_BESIDE_ONEDNN = 4
+
+
+@dataclass(slots=True)
+class CStep:
+    """What the C step reads for one model on one KV cache: every layer's tensors by address
+    (they live as long as the model and the cache do), the model's shape, the float32 copies
+    made for it (kept alive here), and the LongRoPE rotaries whose table rows depend on each
+    sequence's length (positions_row 1, 2, ...; row 0 is the positions themselves)."""
+
+    cache_address: int
+    layers: ctypes.Array[cpu_kernels.DecodeLayer]
+    shape: cpu_kernels.DecodeShape
+    long_rotaries: list[int]
+    keep: list[torch.Tensor]
 
 
 def use_cpu_kernels(model: CausalLM) -> None:
@@ -31,25 +58,28 @@ def use_cpu_kernels(model: CausalLM) -> None:
 
 
 def c_step_runs(model: CausalLM) -> bool:
-    """Whether cpu_decode_step.c computes this model's forward: Llama-style pre-norm layers with a
-    dense SiLU MLP, no per-head norms, sinks or output bias, one rotary table over whole heads,
-    and one sliding window for every layer."""
+    """Whether cpu_decode_step.c computes this model's forward: pre-norm or Gemma layers, each
+    MLP dense (SiLU or GELU-tanh) or a mixture whose experts run in cpu_moe.c, every norm of one
+    kind (Llama's or Gemma's) and one eps, rotary tables over an even number of values."""
     config = model.config
-    windows = {config.window(i) for i in range(config.num_layers)}
-    if len(model.rotaries) != 1 or len(windows) != 1 or model.embedding_multiplier is not None:
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    if any(n.gemma != norms[0].gemma or n.eps != config.rms_norm_eps for n in norms):
         return False
-    rotary = model.rotaries[0]
-    if rotary.long_offset or rotary.rotary_dim != config.head_dim:
+    if any(r.rotary_dim % 2 or r.rotary_dim > config.head_dim for r in model.rotaries):
         return False
-    for layer in model.model.layers:
-        if not isinstance(layer, PreNormDecoderLayer) or not isinstance(layer.mlp, GatedMLP):
-            return False
-        attn = layer.self_attn
-        if attn.qk_norm or attn.sinks is not None or attn.o_proj.bias is not None:
-            return False
-        if layer.mlp.activation != "silu":
-            return False
-    return not isinstance(model.model.norm, GemmaRMSNorm)
+    return all(
+        isinstance(layer, (PreNormDecoderLayer, GemmaDecoderLayer)) and _mlp_runs(layer.mlp, config)
+        for layer in model.model.layers
+    )
+
+
+def _mlp_runs(mlp: object, config: ModelConfig) -> bool:
+    if isinstance(mlp, GatedMLP):
+        return (
+            mlp.activation in cpu_kernels.MLP_ACTIVATIONS
+            and mlp.intermediate_size == config.intermediate_size
+        )
+    return isinstance(mlp, SparseMoE) and mlp.kernel == "c" and mlp.moe == config.moe
 
 
 def use_c_decode_step(model: CausalLM) -> bool:
@@ -58,12 +88,13 @@ def use_c_decode_step(model: CausalLM) -> bool:
     in panels: small batches only), the C norms and rotary on."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     copies = [m.decode_copy[0] for m in layers if m.decode_copy is not None]
-    model.c_decode_pairs = len(copies) == len(layers) and all(t.dim() == 4 for t in copies)
+    every_layer = len(copies) == len(layers)
+    model.c_decode_pairs = every_layer and all(t.dim() == 4 for t in copies)
     if all(m.layout == "panels" for m in layers) or model.c_decode_pairs:
         max_rows = 1 << 30
-    elif len(copies) == len(layers):
+    elif every_layer and all(t.dim() == 3 for t in copies):
         max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN
-    else:
+    else:  # no copies, or pairs and panels mixed (a layer with an odd input size)
         max_rows = 0
     runs = model.model.norm.fused and c_step_runs(model)
     model.c_decode_max_rows = max_rows if runs else 0
@@ -78,48 +109,103 @@ def decode_in_c(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """`forward` of a decode-only batch as one C call (kernels/cpu_decode_step.c)."""
+    step = model._c_step
+    if step is None or step.cache_address != kv_caches[0][0].data_ptr():
+        step = model._c_step = _c_step(model, kv_caches)
+    rows = [positions]
+    rows += [model.rotaries[r].table_positions(positions, meta) for r in step.long_rotaries]
+    table_positions = positions.reshape(1, -1) if len(rows) == 1 else torch.stack(rows)
+    return cpu_kernels.decode_step(
+        step.layers, step.shape, x.contiguous(), model.model.norm.weight, table_positions,
+        meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+    )  # fmt: skip
+
+
+def _c_step(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CStep:
+    long_rotaries = [i for i, r in enumerate(model.rotaries) if r.long_offset]
+    keep: list[torch.Tensor] = []
+    table = (cpu_kernels.DecodeLayer * len(model.model.layers))()
+    for i, (entry, layer, kv) in enumerate(zip(table, model.model.layers, kv_caches, strict=True)):
+        r = model.layer_rotary[i]
+        row = long_rotaries.index(r) + 1 if r in long_rotaries else 0
+        _fill_attention(entry.attn, layer.self_attn, model.rotaries[r], row, kv, keep)
+        _fill_norms(entry, layer)
+        _fill_mlp(entry.mlp, layer.mlp)
     k_cache = kv_caches[0][0]
-    if model._decode_layers is None or model._decode_layers[0] != k_cache.data_ptr():
-        model._decode_layers = (k_cache.data_ptr(), _layer_table(model, kv_caches))
+    return CStep(k_cache.data_ptr(), table, _shape(model, k_cache), long_rotaries, keep)
+
+
+def _shape(model: CausalLM, k_cache: torch.Tensor) -> cpu_kernels.DecodeShape:
     c = model.config
-    rotary = model.rotaries[0]
     shape = cpu_kernels.DecodeShape(
         hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=k_cache.shape[1],
-        block_stride=k_cache.stride(0), window=c.window(0) or 0, eps=c.rms_norm_eps,
-        scale=c.scale, soft_cap=c.attn_soft_cap or 0.0, pairs=model.c_decode_pairs,
+        block_stride=k_cache.stride(0), eps=c.rms_norm_eps, pairs=model.c_decode_pairs,
+        gemma=model.model.norm.gemma,
     )  # fmt: skip
-    return cpu_kernels.decode_step(
-        model._decode_layers[1], shape, x.contiguous(), model.model.norm.weight, positions,
-        meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-        rotary.cos, rotary.sin,
-    )  # fmt: skip
+    mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if mixtures:
+        moe = mixtures[0].moe
+        shape.moe = cpu_kernels.MoeShape(
+            num_experts=moe.num_experts, top_k=moe.top_k, intermediate=moe.intermediate_size,
+            chunk_bytes=cpu_kernels.MOE_CHUNK_BYTES, routing=cpu_kernels.ROUTINGS[moe.routing],
+            renormalize=moe.renormalize,
+            activation=cpu_kernels.EXPERT_ACTIVATIONS[moe.activation],
+            pairs=mixtures[0].gate_up.dim() == 5, alpha=moe.alpha, limit=moe.limit,
+        )  # fmt: skip
+    return shape
 
 
-def _layer_table(
-    model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> ctypes.Array[cpu_kernels.DecodeLayer]:
-    """Every layer's tensors for the C pass, by address (they live as long as the model and
-    the KV cache do)."""
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
-    def address(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
 
-    table = (cpu_kernels.DecodeLayer * len(model.model.layers))()
-    for entry, layer, (k, v) in zip(table, model.model.layers, kv_caches, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, o = _decode_tensors(attn.qkv_proj), _decode_tensors(attn.o_proj)
-        gate_up, down = _decode_tensors(mlp.gate_up_proj), _decode_tensors(mlp.down_proj)
-        entry.qkv, entry.qkv_bias = address(qkv[0]), address(qkv[1])
-        entry.o, entry.gate_up, entry.down = (
-            address(o[0]),
-            address(gate_up[0]),
-            address(down[0]),
-        )
-        entry.input_norm = address(layer.input_layernorm.weight)
-        entry.post_norm = address(layer.post_attention_layernorm.weight)
-        entry.k_cache, entry.v_cache = address(k), address(v)
-    return table
+def _fill_attention(
+    entry: cpu_kernels.LayerAttention,
+    attn: Attention,
+    rotary: RotaryEmbedding,
+    positions_row: int,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    keep: list[torch.Tensor],
+) -> None:
+    qkv, o = _decode_tensors(attn.qkv_proj), _decode_tensors(attn.o_proj)
+    entry.qkv, entry.qkv_bias = _address(qkv[0]), _address(qkv[1])
+    entry.o, entry.o_bias = _address(o[0]), _address(o[1])
+    if attn.qk_norm:
+        entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+    if attn.sinks is not None:  # the Python path reads them as float32 too
+        keep.append(attn.sinks.detach().float().contiguous())
+        entry.sinks = keep[-1].data_ptr()
+    entry.cos, entry.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+    entry.k_cache, entry.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+    entry.rotary_dim, entry.positions_row = rotary.rotary_dim, positions_row
+    entry.window = attn.sliding_window or 0
+    entry.scale, entry.soft_cap = attn.scale, attn.soft_cap or 0.0
+
+
+def _fill_norms(entry: cpu_kernels.DecodeLayer, layer: torch.nn.Module) -> None:
+    if isinstance(layer, GemmaDecoderLayer):  # the sandwich: a norm on each side of each block
+        entry.input_norm = layer.input_layernorm.weight.data_ptr()
+        entry.attn_out_norm = layer.post_attention_layernorm.weight.data_ptr()
+        entry.mlp_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
+        entry.mlp_out_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+    else:
+        entry.input_norm = layer.input_layernorm.weight.data_ptr()
+        entry.mlp_norm = layer.post_attention_layernorm.weight.data_ptr()
+
+
+def _fill_mlp(entry: cpu_kernels.LayerMlp, mlp: torch.nn.Module) -> None:
+    if isinstance(mlp, SparseMoE):
+        router = _decode_tensors(mlp.router)
+        entry.router, entry.router_bias = _address(router[0]), _address(router[1])
+        entry.experts_gate_up, entry.experts_down = mlp.gate_up.data_ptr(), mlp.down.data_ptr()
+        entry.experts_gate_up_bias = _address(mlp.gate_up_bias)
+        entry.experts_down_bias = _address(mlp.down_bias)
+        return
+    assert isinstance(mlp, GatedMLP)
+    gate_up, down = _decode_tensors(mlp.gate_up_proj), _decode_tensors(mlp.down_proj)
+    entry.gate_up, entry.down = gate_up[0].data_ptr(), down[0].data_ptr()
+    entry.activation = cpu_kernels.MLP_ACTIVATIONS[mlp.activation]
 
 
 def _decode_tensors(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,13 +7,12 @@ added by the next norm, the layer's own or the next layer's, in one pass with it
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.kernels import cpu_kernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig, RopeConfig
 from engine.models.layers import (
@@ -23,6 +22,9 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+
+if TYPE_CHECKING:
+    from engine.models.cpu_decode import CStep
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -91,7 +93,7 @@ class CausalLM(nn.Module):
         # decode-only batches of up to this many sequences run as one C call (models/cpu_decode.py)
         self.c_decode_max_rows = 0
         self.c_decode_pairs = False  # its weights in bfloat16 pairs (kernels/cpu_linear.c)
-        self._decode_layers: tuple[int, ctypes.Array[cpu_kernels.DecodeLayer]] | None = None
+        self._c_step: CStep | None = None  # the C step's table, made on its first call
 
     def attach_rotary(self, max_positions: int) -> None:
         """Build the rotary tables (not checkpoint tensors: made after loading) for `max_positions`
