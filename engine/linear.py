@@ -118,8 +118,8 @@ def pack_linear_layers(model: nn.Module, layout: Layout, decode_copy: bool = Fal
 
 
 def drop_decode_copies(model: nn.Module) -> None:
-    """Free the C decode step's copies where the step will not run (a Qwen3 model, the torch
-    attention backend): nothing else reads them."""
+    """Free the C decode step's copies where the step will not run (the torch attention
+    backend): nothing else reads them."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.decode_copy = None
