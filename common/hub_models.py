@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The files a server reads; all at the repo's top level (`original/` holds Meta's consolidated
-# .pth checkpoints, other folders GGUF or ONNX exports: none of them is read).
+# .pth checkpoints, other folders GGUF or ONNX exports, and Mistral's repos a second copy of the
+# weights in their own names, consolidated.safetensors: none of them is read).
 SERVER_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
-NOT_SERVER_FILES = ["*/*"]
+NOT_SERVER_FILES = ["*/*", "consolidated*"]
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

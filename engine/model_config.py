@@ -59,6 +59,10 @@ class MoeConfig:
     alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate)
     limit: float = 7.0  # gpt_oss: the clamp of gate and up
 
+    def __post_init__(self) -> None:  # the C router would read past its row otherwise
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} is not in [1, {self.num_experts}]")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -152,9 +156,11 @@ def rope_config(
         raise ValueError(f"rope type {kind!r} is not supported ({', '.join(ROPE_KINDS)})")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    original = params.get(
-        "original_max_position_embeddings", raw.get("original_max_position_embeddings")
-    )
+    original = params.get("original_max_position_embeddings")
+    if kind == "longrope" or original is None:  # as transformers: Phi-3's top-level field first
+        original = raw.get("original_max_position_embeddings") or original
+    if original is None and kind == "yarn":  # transformers: else the model's own length
+        original = raw.get("max_position_embeddings")
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original:
         # as transformers: the ratio of the served length to the pretraining length

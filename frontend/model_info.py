@@ -5,6 +5,7 @@ constraints (built on first use)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,12 @@ from common.builtin_models import builtin_model, resolve_model_dir
 from common.config import ClusterConfig, context_length
 from common.errors import InvalidRequest
 from common.guided import ll_tokenizer
+from common.hf_config import language_model_config
 from common.parser_choice import HARMONY_MODEL_TYPES, ToolParserName, tool_parser_for
 from common.tokenizer import Tokenizer, load_tokenizer
 from frontend.sampling import SamplingDefaults
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,10 +63,14 @@ class ModelInfo:
 def load_model_info(config: ClusterConfig) -> ModelInfo:
     model_dir = resolve_model_dir(config.model, config.dtype)
     hf_config = json.loads((model_dir / "config.json").read_text())
-    # a multimodal checkpoint (Gemma 3) keeps the language model's sizes in text_config
-    text_config = hf_config.get("text_config") or hf_config
+    # a multimodal checkpoint (Gemma 3) keeps the language model's sizes in text_config, and a
+    # checkpoint may leave fields to its config class's defaults
+    text_config = language_model_config(hf_config)
     model_type = str(hf_config.get("model_type", ""))
     builtin = builtin_model(config.model)
+    if model_type in HARMONY_MODEL_TYPES and config.tool_parser not in (None, "harmony"):
+        logger.warning("tool_parser %s is not used: %s's tool calls are harmony's channels",
+                       config.tool_parser, model_type)  # fmt: skip
     eos = hf_config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     tokenizer = load_tokenizer(model_dir)

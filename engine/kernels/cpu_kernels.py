@@ -337,7 +337,8 @@ def pack_experts(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tenso
     """Every expert's (N, K) matrix of weight (num_experts, N, K) as moe_experts reads it, in
     the layout engine/linear.py picks for dense layers here: bfloat16 pairs (num_experts,
     ceil(N / 16), K / 2, 16, 2) for AVX512-BF16's dot products where the kernels have them,
-    else panels (num_experts, ceil(N / 16), K, 16). `pairs` forces one (tests)."""
+    else panels (num_experts, ceil(N / 16), K, 16). `pairs` forces one (a layer's two
+    matrices must share it)."""
     num_experts, n, k = weight.shape
     if pairs is None:
         pairs = weight.dtype == torch.bfloat16 and k % 2 == 0 and bf16_pairs_available()

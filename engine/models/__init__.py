@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from common.hf_config import language_model_config
 from engine.model_config import ModelConfig, read_config_json
 from engine.models.checkpoint import State, read_safetensors
 from engine.models.decoder import CausalLM
@@ -56,7 +57,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             f"{model_dir}: quantized checkpoints ({method}) are not supported yet; "
             "serve an unquantized (float32 / bfloat16 / float16) checkpoint"
         )
-    return arch.read_config(model_dir, raw)
+    return arch.read_config(model_dir, language_model_config(raw))
 
 
 def load_model(

@@ -7,6 +7,7 @@ name -> tensor dict before `load_state_dict(assign=True)`, so no tensor is held 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,8 +18,17 @@ State = dict[str, torch.Tensor]
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:
+    """The weights: the shards model.safetensors.index.json names, else every *.safetensors
+    (Mistral's repos keep a second copy in their own names, consolidated.safetensors, beside
+    the indexed shards)."""
     state: State = {}
-    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        files = [model_dir / shard for shard in sorted(shards)]
+    else:
+        files = [f for f in sorted(model_dir.glob("*.safetensors"))
+                 if not f.name.startswith("consolidated")]  # fmt: skip
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     for path in files:

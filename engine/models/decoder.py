@@ -89,6 +89,7 @@ class CausalLM(nn.Module):
         self.embedding_multiplier = embedding_multiplier
         self.final_soft_cap = config.final_soft_cap
         self.rotaries = nn.ModuleList()  # attach_rotary: one per distinct RopeConfig
+        self.max_positions = 0  # attach_rotary: the rows of the rotary tables
         self.layer_rotary: list[int] = []  # per layer, its index in rotaries
         # decode-only batches of up to this many sequences run as one C call (models/cpu_decode.py)
         self.c_decode_max_rows = 0
@@ -105,6 +106,7 @@ class CausalLM(nn.Module):
                 ropes.append(layer.rope)
             self.layer_rotary.append(ropes.index(layer.rope))
         device = self.model.embed_tokens.weight.device
+        self.max_positions = max_positions
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(rope, self.config.head_dim, max_positions).to(device) for rope in ropes
         )
@@ -124,6 +126,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        # the C kernels index the rotary tables unchecked (torch's indexing raises on its own)
+        if positions.is_cpu and positions.numel() and int(positions.max()) >= self.max_positions:
+            raise IndexError(f"position {int(positions.max())} is past the rotary tables' "
+                             f"{self.max_positions} rows")  # fmt: skip
         if 0 < meta.num_decode_tokens == x.shape[0] <= self.c_decode_max_rows:
             from engine.models.cpu_decode import decode_in_c
 

@@ -71,15 +71,9 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
     ]
 
 
-def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's multimodal checkpoints nest the language model's config under text_config."""
-    if raw.get("model_type") == "gemma3" and "text_config" in raw:
-        return {**raw["text_config"], "model_type": "gemma3"}
-    return raw
-
-
 def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
-    raw = _text_config(raw)
+    """`raw` is the language model's config with its class's defaults (common/hf_config.py):
+    a multimodal Gemma 3's text_config too."""
     fields = base_fields(model_dir, raw)
     gemma2 = raw.get("model_type") == "gemma2"
     types = _layer_types(raw, fields["num_layers"])
@@ -87,9 +81,10 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
     local_rope = None
     if not gemma2:  # Gemma 3: per layer type rotary parameters (transformers 5), else 4.x's keys
         fields["rope"] = rope_config(raw, "full_attention", default_theta=1_000_000.0)
-        local_rope = rope_config(raw, "sliding_attention")
-        if "rope_local_base_freq" in raw:
-            local_rope = RopeConfig(theta=float(raw["rope_local_base_freq"]))
+        if "sliding_attention" in (raw.get("rope_parameters") or {}):
+            local_rope = rope_config(raw, "sliding_attention")
+        else:  # 4.x: rope_scaling is the global layers' only; local ones plain, their own base
+            local_rope = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
     fields.update(
         qk_norm=not gemma2,
         o_proj_bias=fields["attention_bias"],

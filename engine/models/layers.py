@@ -35,9 +35,10 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # (num_prefills,) int32, prefix + chunk
     backend: attention.AttentionBackend = "auto"
     shared: dict[str, object] = field(default_factory=dict)  # per pass, see decode_attention
-    # (num_tokens,) int64: the length of each token's sequence once this pass ends (longrope
-    # picks its table by it); None: not needed by the model
-    seq_lens_after: torch.Tensor | None = None
+    # (num_tokens,) int64: each token's sequence length as longrope picks its table by: the
+    # length once this pass ends, or the whole prompt's while a prompt is prefilled in chunks
+    # (as transformers, which runs a prompt in one pass); None: not needed by the model
+    rope_seq_lens: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -118,8 +119,8 @@ class RotaryEmbedding(nn.Module):
         forward pass by its longest position; per sequence here)."""
         if not self.long_offset:
             return positions
-        assert meta.seq_lens_after is not None, "longrope needs each token's sequence length"
-        return positions + (meta.seq_lens_after > self.original_max).long() * self.long_offset
+        assert meta.rope_seq_lens is not None, "longrope needs each token's sequence length"
+        return positions + (meta.rope_seq_lens > self.original_max).long() * self.long_offset
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

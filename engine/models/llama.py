@@ -18,6 +18,7 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"{model_dir}: Llama with mlp_bias is not supported")
     window = raw.get("sliding_window") if raw.get("model_type") == "mistral" else None
     fields.update(
+        o_proj_bias=fields["attention_bias"] and raw.get("model_type") == "llama",  # as HF's
         sliding_window=int(window) if window else None,
         layer_windows=layer_windows(raw, fields["num_layers"]),
     )

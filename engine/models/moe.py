@@ -65,8 +65,16 @@ class SparseMoE(nn.Module):
         """Run the experts as `kernel` from now on; "c" replaces the weights by cpu_moe.c's
         packed copy (one expert at a time, so the layer is never held twice)."""
         if kernel == "c":
+            # one layout for both matrices (the kernel reads them alike): pairs need both K even
+            gate_up, down = self.gate_up, self.down
+            pairs = (
+                gate_up.dtype == torch.bfloat16
+                and gate_up.shape[2] % 2 == 0
+                and down.shape[2] % 2 == 0
+                and cpu_kernels.bf16_pairs_available()
+            )
             for name in ("gate_up", "down"):
-                packed = cpu_kernels.pack_experts(getattr(self, name).detach())
+                packed = cpu_kernels.pack_experts(getattr(self, name).detach(), pairs)
                 delattr(self, name)
                 self.register_buffer(name, packed, persistent=False)
             for name in ("gate_up_bias", "down_bias"):

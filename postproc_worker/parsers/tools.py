@@ -416,8 +416,9 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
 
-# "harmony": parsers/harmony.py adds its parser (a ToolParser that also keeps the reasoning);
-# the package's __init__ imports it, so the entry is there whenever this module is.
+# "harmony": parsers/harmony.py adds its parser (a ToolParser that also keeps the reasoning)
+# when imported; pipeline.py imports it, and so the package's __init__ (pipeline builds a
+# harmony model's parser itself: the entry is for those that look parsers up by name).
 TOOL_PARSERS: dict[ToolParserName, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3": HermesToolParser,

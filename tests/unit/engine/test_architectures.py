@@ -79,6 +79,49 @@ def test_a_quantized_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
         read_model_config(tmp_path)
 
 
+# google/gemma-3-4b-it's config.json as published (vision_config shortened): its text_config names
+# only what differs from Gemma3TextConfig's defaults
+GEMMA3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+    "eos_token_id": [1, 106], "mm_tokens_per_image": 256,
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False},
+}  # fmt: skip
+
+
+def test_a_gemma3_config_leaving_fields_to_defaults_reads_as_transformers_does(
+    tmp_path: Path,
+) -> None:
+    """The sizes, rotary bases and windows transformers' Gemma3TextConfig fills in, read the same:
+    rope_scaling (linear x8) on the global layers only, the local ones at base 10k."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_CONFIG))
+    theirs = AutoConfig.from_pretrained(tmp_path).text_config
+    ours = read_model_config(tmp_path)
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.vocab_size) == (
+        theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.vocab_size
+    )  # fmt: skip
+    assert ours.max_position_embeddings == theirs.max_position_embeddings == 131_072
+    assert ours.scale == theirs.query_pre_attn_scalar**-0.5
+    windows = [1024 if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert list(ours.layer_windows) == windows and windows.count(None) == 5
+    full = theirs.rope_parameters["full_attention"]
+    local = theirs.rope_parameters["sliding_attention"]
+    assert (ours.rope.kind, ours.rope.factor, ours.rope.theta) == (
+        full["rope_type"], full["factor"], full["rope_theta"]
+    )  # fmt: skip
+    assert ours.local_rope is not None and (ours.local_rope.kind, ours.local_rope.theta) == (
+        local["rope_type"], local["rope_theta"]
+    )  # fmt: skip
+    assert ours.eos_token_ids == (1, 106)
+
+
 @pytest.mark.long
 def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
     """Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration (model_type gemma3, the
@@ -97,13 +140,23 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path
                           mm_tokens_per_image=4, image_token_index=4095, boi_token_index=4094,
                           eoi_token_index=4093)  # fmt: skip
     model = Gemma3ForConditionalGeneration(config).eval()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     text_model = AutoModelForCausalLM.from_pretrained(source)
     model.model.language_model.load_state_dict(text_model.model.state_dict())
     model.save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, tmp_path / name)
+    # as the published checkpoints: text_config only where it differs from the class's defaults,
+    # 4.x's keys, and linear rope scaling (which transformers applies to the global layers only)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    defaults = Gemma3TextConfig().to_dict()
+    text = {k: v for k, v in saved["text_config"].items() if defaults.get(k, object()) != v}
+    text.pop("layer_types")  # the default pattern (five local, one global)
+    text["rope_scaling"] = {"factor": 8.0, "rope_type": "linear"}
+    saved["text_config"] = text
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    model = Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert read_model_config(tmp_path).model_type == "gemma3"
     from transformers import AutoTokenizer
 
@@ -112,3 +165,41 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     (result,) = LLM(str(tmp_path), num_blocks=64).generate([PROMPTS[0]], params)
     assert result.outputs[0].token_ids == expected.tolist()
+
+
+def test_mistral_s_consolidated_copy_of_the_weights_is_not_read(tmp_path: Path) -> None:
+    """mistralai's repos ship consolidated.safetensors (Mistral's own tensor names) beside the
+    transformers shards: with an index, only the shards it names are read; without, not it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models import load_model
+
+    source = tiny_arch_path("mistral")
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    native = {name.replace("model.", "").replace("self_attn", "attention"): t
+              for name, t in weights.items()}  # fmt: skip
+    save_file(native, tmp_path / "consolidated.safetensors")
+    config = read_model_config(tmp_path)
+    model = load_model(tmp_path, config, torch.float32)  # no "unexpected" names
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"])
+    index = {"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    load_model(tmp_path, config, torch.float32)
+
+
+@pytest.mark.long
+def test_a_phi3_prompt_past_the_pretraining_length_prefilled_in_chunks_matches_transformers() -> (
+    None
+):
+    """LongRoPE picks its long factors for a prompt longer than the pretraining length (64 here)
+    from its first chunk on, as transformers, which runs the prompt in one pass, does."""
+    path = tiny_arch_path("phi3")
+    prompt = PROMPTS[-1]  # ~80 tokens: chunks of 24 cross 64 in the third
+    (expected,) = hf_greedy_ids(path, [prompt], MAX_NEW)
+    for backend in ("auto", "torch"):
+        llm = LLM(str(path), num_blocks=64, max_num_batched_tokens=24, attention_backend=backend)
+        (result,) = llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+        assert result.outputs[0].token_ids == expected, backend

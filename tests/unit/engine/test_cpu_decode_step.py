@@ -103,7 +103,7 @@ def decode_batch(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor, Attention
         decode_context_lens=(positions + 1).to(torch.int32),
         prefill_block_tables=torch.zeros(0, BLOCKS_PER_SEQ, dtype=torch.int32),
         prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32), seq_lens_after=positions + 1,
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32), rope_seq_lens=positions + 1,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (len(LENS),), generator=generator)
