@@ -6,6 +6,8 @@ template: what the request says mapped onto what the harmony system and develope
     chat_template_kwargs.reasoning_effort                      (default medium; "minimal" is
                                                                low; "none" is refused: gpt-oss
                                                                always writes its analysis)
+    chat_template_kwargs.enable_thinking false               → low, when no effort is named
+      (Anthropic's thinking disabled): the least analysis; it still comes back as reasoning
     chat_template_kwargs.model_identity                      → the system message's first line
     response_format json_schema                              → `# Response Formats` (the grammar
                                                                holds the final answer to it)
@@ -33,7 +35,9 @@ EFFORTS: tuple[ReasoningEffort, ...] = get_args(ReasoningEffort)
 
 
 def reasoning_effort(effort: str | None, template_kwargs: dict[str, Any]) -> ReasoningEffort:
-    chosen = effort if effort is not None else template_kwargs.get("reasoning_effort", "medium")
+    least = template_kwargs.get("enable_thinking") is False
+    default = "low" if least else "medium"
+    chosen = effort if effort is not None else template_kwargs.get("reasoning_effort", default)
     if chosen == "minimal":
         return "low"
     for level in EFFORTS:

@@ -232,6 +232,10 @@ def test_anthropic_messages_on_gpt_oss_go_through_harmony(
     blocks = reply.json()["content"]
     assert blocks[-1] == {"type": "text", "text": "It is sunny in Oslo."}
     assert any(b["type"] == "thinking" and b["thinking"] == "Need the weather." for b in blocks)
+    # thinking disabled: the least analysis harmony has (the model always reasons)
+    reply = http.post("/v1/messages", json={**body, "thinking": {"type": "disabled"}})
+    assert reply.status_code == 200, reply.text
+    assert "Reasoning: low" in prompt_of(model, fake.submitted[1])
 
 
 @pytest.mark.parametrize(
