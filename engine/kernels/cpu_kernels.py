@@ -5,7 +5,8 @@ Gemma's rounding, with its residual add, or per head in place for q/k norms), ro
 (cpu_linear.c, see engine/linear.py); a MoE layer's experts grouped by expert (cpu_moe.c); and
 a whole decode forward pass in one call (cpu_decode_step.c, its MoE layers in
 cpu_decode_moe.c, their top-k in torch.topk's order in cpu_topk.cpp: the one C++ source, built
-by the same compiler driver, which picks the language by the extension).
+by the same compiler driver, which picks the language by the extension; its structures and call
+in cpu_decode_abi.py).
 
 On a decode step the torch path copies every sequence's K/V out of the paged cache before it can
 multiply (index_select, then two batched multiplies per KV head): on SmolLM2 at 32 sequences of
@@ -132,12 +133,12 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     sinks32 = _sink_logits(sinks, num_heads)
     out = torch.empty(batch, num_heads, head_dim)
-    status = _run(
+    status = run(
         "paged_decode",
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
         head_dim, block_size, k_cache.stride(0), tables.shape[1], scale, sliding_window or 0,
-        soft_cap or 0.0, _pointer(sinks32), torch.get_num_threads(),
+        soft_cap or 0.0, address(sinks32), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention: no memory for the scores")
@@ -168,12 +169,12 @@ def paged_prefill_attention(
     lens = context_lens.to(torch.int32).contiguous()
     sinks32 = _sink_logits(sinks, num_heads)
     out = torch.empty(num_tokens, num_heads, head_dim)
-    status = _run(
+    status = run(
         "paged_prefill",
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0), tables.shape[1], scale,
-        sliding_window or 0, soft_cap or 0.0, _pointer(sinks32), torch.get_num_threads(),
+        sliding_window or 0, soft_cap or 0.0, address(sinks32), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged prefill attention: no memory for its scratch")
@@ -188,7 +189,8 @@ def _sink_logits(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return sinks.detach().to("cpu", torch.float32).contiguous()
 
 
-def _pointer(x: torch.Tensor | None) -> int | None:
+def address(x: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument; None (NULL) for no tensor."""
     return None if x is None else x.data_ptr()
 
 
@@ -204,7 +206,7 @@ def store_kv(
     assert lib is not None and k_cache.stride() == v_cache.stride()
     k, v = k.to(k_cache.dtype).contiguous(), v.to(k_cache.dtype).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    _run(
+    run(
         "store_kv",
         k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
         k.shape[0], k[0].numel(), k.element_size(), k_cache.shape[1], k_cache.stride(0),
@@ -228,9 +230,9 @@ def rms_norm(
     out = torch.empty_like(x)
     if residual is not None:
         assert residual.is_contiguous() and residual.dtype == x.dtype
-    _run(
+    run(
         "rms_norm",
-        x.data_ptr(), _pointer(residual), weight.data_ptr(), out.data_ptr(),
+        x.data_ptr(), address(residual), weight.data_ptr(), out.data_ptr(),
         x.numel() // x.shape[-1], x.shape[-1], eps, int(gemma), DTYPE_CODES[x.dtype],
     )  # fmt: skip
     return out
@@ -243,7 +245,7 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bo
     lib = library()
     assert lib is not None and weight.dtype == x.dtype and weight.shape == x.shape[2:]
     assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
-    _run(
+    run(
         "rms_norm_heads",
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], weight.data_ptr(), eps,
         int(gemma), DTYPE_CODES[x.dtype],
@@ -268,7 +270,7 @@ def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-    _run(
+    run(
         name, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
         DTYPE_CODES[gate_up.dtype],
     )  # fmt: skip
@@ -286,7 +288,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     assert rotary_dim % 2 == 0 and rotary_dim <= x.shape[2] and cos.shape == sin.shape
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     positions = positions.to(torch.int64).contiguous()
-    _run(
+    run(
         "rope",
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], rotary_dim,
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[x.dtype],
@@ -324,7 +326,7 @@ def panel_linear(
     assert lib is not None and panels.dtype in DTYPE_CODES
     x32 = x.float().contiguous()
     out = torch.empty(x32.shape[0], out_features)
-    _run(
+    run(
         "panel_linear",
         x32.data_ptr(), panels.data_ptr(), DTYPE_CODES[panels.dtype],
         None if bias is None else bias.data_ptr(), out.data_ptr(), x32.shape[0], out_features,
@@ -390,10 +392,10 @@ def moe_experts(
     for bias, n in zip(biases, (2 * inter, hidden), strict=True):
         assert bias is None or bias.shape == (num_experts, n)
     out = torch.empty_like(x)
-    status = _run(
+    status = run(
         "moe_experts",
         x.data_ptr(), ids.data_ptr(), weights.data_ptr(), packed_gate_up.data_ptr(),
-        packed_down.data_ptr(), _pointer(biases[0]), _pointer(biases[1]), out.data_ptr(),
+        packed_down.data_ptr(), address(biases[0]), address(biases[1]), out.data_ptr(),
         x.shape[0], ids.shape[1], num_experts, hidden, inter, DTYPE_CODES[x.dtype], int(pairs),
         EXPERT_ACTIVATIONS[activation], alpha, limit, chunk_bytes, torch.get_num_threads(),
     )  # fmt: skip
@@ -424,113 +426,14 @@ def topk_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
     work = torch.empty(n, 2, dtype=torch.int64)  # (value, index) pairs of 16 bytes
     for r in range(rows):
-        _run(
+        run(
             "topk_largest", x32[r].data_ptr(), n, k, work.data_ptr(), values[r].data_ptr(),
             ids[r].data_ptr(),
         )  # fmt: skip
     return values, ids
 
 
-class LayerAttention(ctypes.Structure):
-    """cpu_decode_step.h's LayerAttention: a layer's attention tensors and settings."""
-
-    _fields_ = [
-        *((name, _p) for name in (
-            "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "cos", "sin",
-            "k_cache", "v_cache",
-        )),
-        ("rotary_dim", _i64), ("positions_row", _i64), ("window", _i64), ("scale", _f32),
-        ("soft_cap", _f32),
-    ]  # fmt: skip
-
-
-class LayerMlp(ctypes.Structure):
-    """cpu_decode_step.h's LayerMlp: dense (gate_up, down) or a mixture (router set)."""
-
-    _fields_ = [
-        *((name, _p) for name in (
-            "gate_up", "down", "router", "router_bias", "experts_gate_up", "experts_down",
-            "experts_gate_up_bias", "experts_down_bias",
-        )),
-        ("activation", _i64),
-    ]  # fmt: skip
-
-
-class DecodeLayer(ctypes.Structure):
-    """cpu_decode_step.h's DecodeLayer: one layer's tensors, by address."""
-
-    _fields_ = [
-        ("attn", LayerAttention),
-        *((name, _p) for name in ("input_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")),
-        ("mlp", LayerMlp),
-    ]
-
-
-class MoeShape(ctypes.Structure):
-    """cpu_decode_step.h's MoeShape: the mixture of experts' settings (zeros: none)."""
-
-    _fields_ = [
-        *((name, _i64) for name in (
-            "num_experts", "top_k", "intermediate", "chunk_bytes", "routing", "renormalize",
-            "activation", "pairs",
-        )),
-        ("alpha", _f32), ("limit", _f32),
-    ]  # fmt: skip
-
-
-class DecodeShape(ctypes.Structure):
-    """cpu_decode_step.h's DecodeShape: the model's sizes and the step's attention layout."""
-
-    _fields_ = [
-        *((name, _i64) for name in (
-            "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-            "block_stride", "max_blocks",
-        )),
-        ("eps", _f32), ("threads", _int), ("dtype", _int), ("pairs", _int), ("gemma", _int),
-        ("moe", MoeShape),
-    ]  # fmt: skip
-
-
-MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu_decode_step.h's MLP_*
-ROUTINGS = {"topk_softmax": 0, "softmax_topk": 1}  # cpu_decode_step.h's TOPK_SOFTMAX, ...
-
-
-def decode_step(
-    layers: ctypes.Array[DecodeLayer],
-    shape: DecodeShape,
-    x: torch.Tensor,
-    final_norm: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> torch.Tensor:
-    """A decode-only forward pass (cpu_decode_step.c): x (rows, hidden), the embeddings of each
-    sequence's new token, in; the final hidden states out (x itself). positions: (n, rows), the
-    rotary tables' rows per token, row i read by the layers whose positions_row is i."""
-    lib = library()
-    assert lib is not None and x.dtype in DTYPE_CODES and x.is_contiguous()
-    rows = x.shape[0]
-    positions = positions.to(torch.int64).contiguous()
-    assert positions.dim() == 2 and positions.shape[1] == rows
-    slots = slot_mapping.to(torch.int64).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    shape.max_blocks, shape.threads = tables.shape[1], torch.get_num_threads()
-    shape.dtype = DTYPE_CODES[x.dtype]
-    scratch = torch.empty(lib.decode_step_scratch(ctypes.byref(shape), rows))
-    status = _run(
-        "decode_step",
-        layers, len(layers), ctypes.byref(shape), x.data_ptr(), final_norm.data_ptr(), rows,
-        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        scratch.data_ptr(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("decode step: no memory for the attention scores or the experts")
-    return x
-
-
-def _run(name: str, *args: object) -> object:
+def run(name: str, *args: object) -> object:
     """Call a kernel; under the torch profiler (POST /start_profile) as a named range, so that
     the op table counts the kernels' time too (a ctypes call is invisible to it otherwise)."""
     function = getattr(library(), name)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import cpu_decode_abi as decode_abi
 from engine.kernels import cpu_kernels
+from engine.kernels.cpu_kernels import address
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.models.decoder import CausalLM, PreNormDecoderLayer
@@ -42,8 +44,8 @@ class CStep:
     sequence's length (positions_row 1, 2, ...; row 0 is the positions themselves)."""
 
     cache_address: int
-    layers: ctypes.Array[cpu_kernels.DecodeLayer]
-    shape: cpu_kernels.DecodeShape
+    layers: ctypes.Array[decode_abi.DecodeLayer]
+    shape: decode_abi.DecodeShape
     long_rotaries: list[int]
     keep: list[torch.Tensor]
 
@@ -76,7 +78,7 @@ def c_step_runs(model: CausalLM) -> bool:
 def _mlp_runs(mlp: object, config: ModelConfig) -> bool:
     if isinstance(mlp, GatedMLP):
         return (
-            mlp.activation in cpu_kernels.MLP_ACTIVATIONS
+            mlp.activation in decode_abi.MLP_ACTIVATIONS
             and mlp.intermediate_size == config.intermediate_size
         )
     return isinstance(mlp, SparseMoE) and mlp.kernel == "c" and mlp.moe == config.moe
@@ -115,7 +117,7 @@ def decode_in_c(
     rows = [positions]
     rows += [model.rotaries[r].table_positions(positions, meta) for r in step.long_rotaries]
     table_positions = positions.reshape(1, -1) if len(rows) == 1 else torch.stack(rows)
-    return cpu_kernels.decode_step(
+    return decode_abi.decode_step(
         step.layers, step.shape, x.contiguous(), model.model.norm.weight, table_positions,
         meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
     )  # fmt: skip
@@ -124,7 +126,7 @@ def decode_in_c(
 def _c_step(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CStep:
     long_rotaries = [i for i, r in enumerate(model.rotaries) if r.long_offset]
     keep: list[torch.Tensor] = []
-    table = (cpu_kernels.DecodeLayer * len(model.model.layers))()
+    table = (decode_abi.DecodeLayer * len(model.model.layers))()
     for i, (entry, layer, kv) in enumerate(zip(table, model.model.layers, kv_caches, strict=True)):
         r = model.layer_rotary[i]
         row = long_rotaries.index(r) + 1 if r in long_rotaries else 0
@@ -135,9 +137,9 @@ def _c_step(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]])
     return CStep(k_cache.data_ptr(), table, _shape(model, k_cache), long_rotaries, keep)
 
 
-def _shape(model: CausalLM, k_cache: torch.Tensor) -> cpu_kernels.DecodeShape:
+def _shape(model: CausalLM, k_cache: torch.Tensor) -> decode_abi.DecodeShape:
     c = model.config
-    shape = cpu_kernels.DecodeShape(
+    shape = decode_abi.DecodeShape(
         hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=k_cache.shape[1],
         block_stride=k_cache.stride(0), eps=c.rms_norm_eps, pairs=model.c_decode_pairs,
@@ -146,9 +148,9 @@ def _shape(model: CausalLM, k_cache: torch.Tensor) -> cpu_kernels.DecodeShape:
     mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if mixtures:
         moe = mixtures[0].moe
-        shape.moe = cpu_kernels.MoeShape(
+        shape.moe = decode_abi.MoeShape(
             num_experts=moe.num_experts, top_k=moe.top_k, intermediate=moe.intermediate_size,
-            chunk_bytes=cpu_kernels.MOE_CHUNK_BYTES, routing=cpu_kernels.ROUTINGS[moe.routing],
+            chunk_bytes=cpu_kernels.MOE_CHUNK_BYTES, routing=decode_abi.ROUTINGS[moe.routing],
             renormalize=moe.renormalize,
             activation=cpu_kernels.EXPERT_ACTIVATIONS[moe.activation],
             pairs=mixtures[0].gate_up.dim() == 5, alpha=moe.alpha, limit=moe.limit,
@@ -156,12 +158,8 @@ def _shape(model: CausalLM, k_cache: torch.Tensor) -> cpu_kernels.DecodeShape:
     return shape
 
 
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _fill_attention(
-    entry: cpu_kernels.LayerAttention,
+    entry: decode_abi.LayerAttention,
     attn: Attention,
     rotary: RotaryEmbedding,
     positions_row: int,
@@ -169,8 +167,8 @@ def _fill_attention(
     keep: list[torch.Tensor],
 ) -> None:
     qkv, o = _decode_tensors(attn.qkv_proj), _decode_tensors(attn.o_proj)
-    entry.qkv, entry.qkv_bias = _address(qkv[0]), _address(qkv[1])
-    entry.o, entry.o_bias = _address(o[0]), _address(o[1])
+    entry.qkv, entry.qkv_bias = address(qkv[0]), address(qkv[1])
+    entry.o, entry.o_bias = address(o[0]), address(o[1])
     if attn.qk_norm:
         entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
     if attn.sinks is not None:  # the Python path reads them as float32 too
@@ -183,7 +181,7 @@ def _fill_attention(
     entry.scale, entry.soft_cap = attn.scale, attn.soft_cap or 0.0
 
 
-def _fill_norms(entry: cpu_kernels.DecodeLayer, layer: torch.nn.Module) -> None:
+def _fill_norms(entry: decode_abi.DecodeLayer, layer: torch.nn.Module) -> None:
     if isinstance(layer, GemmaDecoderLayer):  # the sandwich: a norm on each side of each block
         entry.input_norm = layer.input_layernorm.weight.data_ptr()
         entry.attn_out_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -194,18 +192,18 @@ def _fill_norms(entry: cpu_kernels.DecodeLayer, layer: torch.nn.Module) -> None:
         entry.mlp_norm = layer.post_attention_layernorm.weight.data_ptr()
 
 
-def _fill_mlp(entry: cpu_kernels.LayerMlp, mlp: torch.nn.Module) -> None:
+def _fill_mlp(entry: decode_abi.LayerMlp, mlp: torch.nn.Module) -> None:
     if isinstance(mlp, SparseMoE):
         router = _decode_tensors(mlp.router)
-        entry.router, entry.router_bias = _address(router[0]), _address(router[1])
+        entry.router, entry.router_bias = address(router[0]), address(router[1])
         entry.experts_gate_up, entry.experts_down = mlp.gate_up.data_ptr(), mlp.down.data_ptr()
-        entry.experts_gate_up_bias = _address(mlp.gate_up_bias)
-        entry.experts_down_bias = _address(mlp.down_bias)
+        entry.experts_gate_up_bias = address(mlp.gate_up_bias)
+        entry.experts_down_bias = address(mlp.down_bias)
         return
     assert isinstance(mlp, GatedMLP)
     gate_up, down = _decode_tensors(mlp.gate_up_proj), _decode_tensors(mlp.down_proj)
     entry.gate_up, entry.down = gate_up[0].data_ptr(), down[0].data_ptr()
-    entry.activation = cpu_kernels.MLP_ACTIVATIONS[mlp.activation]
+    entry.activation = decode_abi.MLP_ACTIVATIONS[mlp.activation]
 
 
 def _decode_tensors(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
