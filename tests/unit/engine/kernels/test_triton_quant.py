@@ -7,6 +7,7 @@ first imported (see test_kernels.py's docstring: the same skip-and-rerun-in-a-su
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -267,6 +268,25 @@ def test_quant_matmul_rejects_mismatched_inputs() -> None:
         qm.quant_matmul(x, packed, torch.zeros(15, device=DEVICE))
     with pytest.raises(ValueError, match="straddle"):
         qm.quant_matmul(x, packed, blocks=qm.QuantBlocks(16, 16, 48))
+
+
+@pytest.mark.skipif(ON_GPU or not RUN_HERE, reason="the dry run is the interpreter's")
+def test_the_gpu_benchmark_dry_runs_in_the_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/kernels_quant_gpu.py's cases and sweep, on tiny shapes: it parses, runs, writes."""
+    from bench import kernels_quant_gpu
+
+    out = tmp_path / "quant.json"
+    monkeypatch.setattr(sys, "argv", ["kernels_quant_gpu", "--dry-run", "--out", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        kernels_quant_gpu.main()
+    assert exited.value.code == 0
+    result = json.loads(out.read_text())
+    assert len(result["cases"]) == len(kernels_quant_gpu.FORMATS) * len(kernels_quant_gpu.DRY_ROWS)
+    assert all(case["within_bf16_tolerance"] for case in result["cases"])
+    assert {case["bits_per_weight"] for case in result["cases"]} == {4.25, 5.0, 8.5}
+    assert len(result["sweep"]) == 8
 
 
 @pytest.mark.skipif(RUN_HERE, reason="the kernels run in this process")
