@@ -30,7 +30,7 @@ tail -5 "$out/kernels.log"
 timeout 300 python3 -m bench.serving --device cuda --repeats 1 --no-profile \
     --out "$out/serving.json" >"$out/serving.log" 2>&1 || status=1
 tail -30 "$out/serving.log"
-timeout 240 python3 -m bench.kernels_quant_gpu --out "$out/kernels_quant.json" 2>&1 \
-    | tee "$out/kernels_quant.log" | tail -50 || status=1
+timeout 240 python3 -m bench.kernels_quant_gpu --out "$out/kernels_quant_gpu.json" 2>&1 \
+    | tee "$out/kernels_quant_gpu.log" | tail -50 || status=1
 cp /tmp/pdcluster-bench-*/cluster-*.log "$out/" 2>/dev/null  # why a cluster did not start
 exit $status

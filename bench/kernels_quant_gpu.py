@@ -13,7 +13,7 @@ device-to-device copy gives the memory's bandwidth to read them against. Then a 
 tiles at 1 and 16 rows (written as it goes, shorter repeats), so choose_blocks can be tuned from
 one run. Exits 1 when a case's error passes bfloat16's tolerance (the compiled kernel is wrong).
 
-    python3 -m bench.kernels_quant_gpu [--out bench/results/kernels_quant.json] [--no-sweep]
+    python3 -m bench.kernels_quant_gpu [--out bench/results/kernels_quant_gpu.json] [--no-sweep]
     .venv/bin/python -m bench.kernels_quant_gpu --dry-run   # no GPU: tiny shapes, interpreter
 """
 
@@ -61,7 +61,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernel)
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --dry-run for the interpreter's smoke test")
-    name = "kernels_quant_dry.json" if args.dry_run else "kernels_quant.json"
+    name = "kernels_quant_gpu_dry.json" if args.dry_run else "kernels_quant_gpu.json"
     out = args.out or ROOT / "bench/results" / name
     device = "cpu" if args.dry_run else "cuda"
     timer, sweep_timer = (once_ms, once_ms) if args.dry_run else (median_ms, sweep_ms)
