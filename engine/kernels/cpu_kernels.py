@@ -46,7 +46,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_decode_moe.c", "cpu_moe.c",
-        "cpu_topk.cpp",
+        "cpu_topk.cpp", "cpu_quant.c",
     )
 )  # fmt: skip
 HEADERS = tuple(  # included by the sources
@@ -82,6 +82,9 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     ),
     "expert_passes": (_i64, []),
     "topk_largest": (None, [_p, _i64, _i64, _p, _p, _p]),
+    "quant_linear": (_int, [_p, _int, _p, _int, _i64, _p, _p, *[_i64] * 3, _int, _p, _int]),
+    "quant_linear_scratch": (_i64, [_i64, _i64, _i64]),
+    "quant_int8_available": (_int, []),
 }
 EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS
 MOE_CHUNK_BYTES = 64 << 20  # moe_experts' buffers: 320 tokens of a Qwen3-MoE layer at a time

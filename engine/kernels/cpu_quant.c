@@ -1,0 +1,504 @@
+/* Weight-only quantized linear layers on the CPU: out = x @ W.T + bias, W in 4 or 8 bits.
+ *
+ * A decode step reads every weight once, so its time is the weight bytes: a 4-bit matrix with a
+ * float16 scale and min per group of 32 is 5 bits a weight (GGUF's Q4_1), an 8-bit one with a
+ * float16 scale 8.5 (Q8_0), against 32 for float32 and 16 for bfloat16. Timings: the table in
+ * bench/kernels_quant.py.
+ *
+ * Layout (engine/kernels/cpu_quant.py packs it once at load, from engine/quant/weight.py's
+ * QuantizedWeight): panels of QP = 16 output columns, N padded with zero columns. Panel p is
+ * one contiguous stream of K / G blocks, one per group of G weights along K (G a multiple of
+ * 16); a block holds the panel's 16 columns' values of that group, then their 16 float16
+ * scales, then (4 bits) their 16 float16 mins:
+ *
+ *   8 bits: G / 4 chunks of 64 bytes: byte 4c + i = value[c][4j + i] + 128      16 G bytes
+ *   4 bits: G / 8 chunks of 64 bytes: byte 4c + i = value[c][8j + i]            8 G bytes
+ *                                                  | value[c][8j + 4 + i] << 4
+ *   then  scale[16] float16 (32 bytes), and for 4 bits  min[16] float16 (32 bytes)
+ *
+ * i.e. each 32-bit lane c of a 64-byte chunk holds four consecutive k of column c (two fours
+ * for 4 bits, in its low and high nibbles): the operand of AVX512-VNNI's vpdpbusd, unsigned
+ * bytes times the activations' signed ones, four products summed into each column's int32.
+ * Bytes a weight: 8 + 256 / G (8.5 at G = 32) and 4 + 512 / G (5 at G = 32, 8 at 16).
+ *
+ * Two ways to multiply, the caller picks (cpu_quant.py by row count):
+ * - float: each k step's 16 values masked out of their lanes in place, converted to float32
+ *   and multiplied into the rows of x with FMAs, a group summed apart and then scaled:
+ *   out += scale * sum_k x[k] q[k] + min * sum_k x[k]. A value masked in place is q * 2^s (s
+ *   its bit offset in the lane), exact in float32, so x is read pre-scaled by 2^-s (exact
+ *   too) and the products are x[k] q[k] exactly: the results differ from the dequantized
+ *   matrix's float32 product only in rounding and summation order. For 8 bits the offset is
+ *   the same for every k (each byte is moved to the lane's top, its sign bit flipped back) and
+ *   2^-24 goes into the scale instead. GCC's vector extensions: AVX-512, AVX2 or SSE, what
+ *   -march=native has.
+ * - int8 (AVX512-VNNI only): each row of x quantized per group of G to int8 (scale
+ *   max|x| / 127, round to nearest even), then vpdpbusd does 64 multiply-adds an instruction
+ *   where an FMA does 16: the matmul of the dequantized weights by the dequantized activations,
+ *   to rounding. What llama.cpp does on every CPU (its Q8 activations); its error is the
+ *   activations' rounding, at most half a step of max|x| / 127 an element (a relative ~1e-3 of
+ *   a typical output, the weights' own 4-bit rounding is ~30 times that).
+ * A mins term uses the activations' per-group sums (float, or int for int8), computed once a
+ * row. 8-bit values are stored offset by 128 so that they are vpdpbusd's unsigned operand:
+ * sum x q = sum x (q + 128) - 128 sum x.
+ *
+ * Rows go in blocks of QROW_BLOCK (their prepared copies in the caller's scratch, from
+ * quant_linear_scratch); threads split the panels (OpenMP, as panel_linear). A decode step
+ * (cpu_decode_step.c) can call quant_linear per matrix with its float32 staging buffer as `out`
+ * and one scratch of quant_linear_scratch(max rows, max K, min G) bytes.
+ */
+#include <stdlib.h>
+
+#include "cpu_dtypes.h"
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector types on hosts without AVX-512 */
+/* The FMA chains as written: reassociated, GCC split them into multiplies and adds. */
+#pragma GCC optimize("no-associative-math")
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+enum { QP = 16, QROW_BLOCK = 48 };
+#define PREFETCH_BYTES 1024 /* the hardware prefetcher alone fell behind with several rows */
+
+/* Rows of x that share each weight load: their float accumulators (two vectors a row: the
+ * group's sum and the total) must fit the vector registers (32 zmm; 16 ymm, 2 a vector). */
+#ifdef __AVX512F__
+enum { FMR = 8, IMR = 8 };
+#elif defined(__AVX2__)
+enum { FMR = 3, IMR = 1 };
+#else
+enum { FMR = 2, IMR = 1 };
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline int64_t value_bytes(int bits, int64_t G) { return bits == 4 ? 8 * G : 16 * G; }
+static inline int64_t block_bytes(int bits, int64_t G) {
+    return value_bytes(bits, G) + (bits == 4 ? 64 : 32);
+}
+
+ALWAYS_INLINE v16f splat16(float s) { return (v16f){} + s; }
+
+ALWAYS_INLINE v16u load16u(const uint8_t *p) {
+    v16u v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* 16 float16 values at p as float32. */
+ALWAYS_INLINE v16f load_half16(const uint8_t *p) {
+    v16f v;
+#ifdef __AVX512F__
+    __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + 32, &hi, sizeof hi);
+#else
+    for (int c = 0; c < QP; c++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * c, sizeof h);
+        v[c] = half_to_float(h);
+    }
+#endif
+    return v;
+}
+
+/* 4 bits: k step t (0..7) of a chunk sits at bit s = 8 (t % 4) + 4 (t / 4) of each lane; the
+ * one at bit 28 is shifted down instead (masked, it would overflow a signed int32). */
+static inline int nibble_shift(int t) { return t == 7 ? 0 : 8 * (t % 4) + 4 * (t / 4); }
+
+ALWAYS_INLINE v16f nibble(v16u v, const int t) {
+    v16u q = t == 7 ? v >> 28 : v & (0xfu << nibble_shift(t));
+    return __builtin_convertvector((v16i)q, v16f);
+}
+
+/* 8 bits: byte i of each lane moved to the top, its offset of 128 undone: value * 2^24. */
+ALWAYS_INLINE v16f byte_top(v16u v, const int i) {
+    v16u q = ((v << (24 - 8 * i)) & 0xff000000u) ^ 0x80000000u;
+    return __builtin_convertvector((v16i)q, v16f);
+}
+
+static void store_rows(const v16f *total, int rows, float *out, int64_t N, int64_t ncols,
+                       const float *bias) {
+    for (int r = 0; r < rows; r++) {
+        float row[QP];
+        memcpy(row, &total[r], sizeof row);
+        for (int64_t c = 0; c < ncols; c++)
+            out[r * N + c] = row[c] + (bias != NULL ? bias[c] : 0.0f);
+    }
+}
+
+/* rows (a constant after inlining) rows of prepared x times one panel: 16 columns of out. xs:
+ * the rows' x, scaled per k as `nibble` needs (4 bits); xsum: their per-group sums (4 bits).
+ * With one or two rows, k steps alternate between accumulators so that several chains of
+ * dependent FMAs are in flight. */
+ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xsum, int64_t K,
+                              int64_t ng, const uint8_t *panel, const int bits, int64_t G,
+                              float *restrict out, int64_t N, int64_t ncols, const float *bias,
+                              const int rows) {
+    const int split = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
+    v16f total[FMR];
+    for (int r = 0; r < rows; r++) total[r] = splat16(0.0f);
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *block = panel + g * bbytes;
+        const float *xg = xs + g * G;
+        v16f acc[4][FMR];
+        for (int s = 0; s < split; s++)
+            for (int r = 0; r < rows; r++) acc[s][r] = splat16(0.0f);
+        if (bits == 4) {
+            for (int64_t j = 0; j < G / 8; j++) {
+                __builtin_prefetch(block + 64 * j + PREFETCH_BYTES);
+                v16u v = load16u(block + 64 * j);
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) {
+                    v16f w = nibble(v, t);
+                    for (int r = 0; r < rows; r++)
+                        acc[t % split][r] += w * splat16(xg[r * K + 8 * j + t]);
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < G / 4; j++) {
+                __builtin_prefetch(block + 64 * j + PREFETCH_BYTES);
+                v16u v = load16u(block + 64 * j);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    v16f w = byte_top(v, i);
+                    for (int r = 0; r < rows; r++)
+                        acc[i % split][r] += w * splat16(xg[r * K + 4 * j + i]);
+                }
+            }
+        }
+        v16f scale = load_half16(block + vbytes);
+        if (bits == 8) scale *= splat16(0x1p-24f); /* byte_top's 2^24 */
+        for (int r = 0; r < rows; r++) {
+            v16f a = acc[0][r];
+            for (int s = 1; s < split; s++) a += acc[s][r];
+            total[r] += scale * a;
+        }
+        if (bits == 4) {
+            v16f mins = load_half16(block + vbytes + 32);
+            for (int r = 0; r < rows; r++) total[r] += mins * splat16(xsum[r * ng + g]);
+        }
+    }
+    store_rows(total, rows, out, N, ncols, bias);
+}
+
+/* 16 values of x from element `at`, as float32 (bfloat16 is a float32's high half). */
+ALWAYS_INLINE v16f load_x16(const void *x, int64_t at, const int dtype) {
+    v16f v;
+    if (dtype == F32) {
+        memcpy(&v, (const float *)x + at, sizeof v);
+    } else {
+        typedef uint16_t v16h __attribute__((vector_size(32)));
+        v16h h;
+        memcpy(&h, (const uint16_t *)x + at, sizeof h);
+        v16u bits = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&v, &bits, sizeof v);
+    }
+    return v;
+}
+
+static float sum16(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < QP; i++) s += v[i];
+    return s;
+}
+
+/* x rows as float_rows reads them: xs (rows, K) scaled per k (4 bits: by 2^-nibble_shift),
+ * xsum (rows, ng) their groups' sums (4 bits). */
+ALWAYS_INLINE void prepare_rows(const void *x, const int dtype, int64_t rows, int64_t K,
+                                int bits, int64_t G, float *xs, float *xsum) {
+    v16f factor;
+    for (int i = 0; i < QP; i++) factor[i] = bits == 4 ? ldexpf(1.0f, -nibble_shift(i % 8)) : 1.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < K / G; g++) {
+            v16f sum = splat16(0.0f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += QP) {
+                v16f v = load_x16(x, r * K + k, dtype);
+                sum += v;
+                v *= factor;
+                memcpy(xs + r * K + k, &v, sizeof v);
+            }
+            if (bits == 4) xsum[r * (K / G) + g] = sum16(sum);
+        }
+    }
+}
+
+static void prepare_float(const void *x, int dtype, int64_t rows, int64_t K, int bits, int64_t G,
+                          float *xs, float *xsum) {
+    if (dtype == F32)
+        prepare_rows(x, F32, rows, K, bits, G, xs, xsum);
+    else
+        prepare_rows(x, BF16, rows, K, bits, G, xs, xsum);
+}
+
+#define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r)
+#define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r)
+
+/* A row block's last n < MR rows as one call of ROWS(r) with r a constant (one unrolled copy
+ * of the kernel per row count). */
+#define LAST_ROWS_8(n, ROWS)                                                        \
+    switch (n) {                                                                    \
+        case 7: ROWS(7); break; case 6: ROWS(6); break; case 5: ROWS(5); break;     \
+        case 4: ROWS(4); break; case 3: ROWS(3); break; case 2: ROWS(2); break;     \
+        case 1: ROWS(1); break;                                                     \
+    }
+
+/* Rows 0 .. rows - 1 of the prepared block times panel p, on the calling thread. */
+ALWAYS_INLINE void float_panel(const float *xs, const float *xsum, const uint8_t *packed,
+                               const int bits, int64_t G, const float *bias, float *out,
+                               int64_t rows, int64_t N, int64_t K, int64_t p) {
+    int64_t ng = K / G, n = p * QP, ncols = N - n < QP ? N - n : QP;
+    const uint8_t *panel = packed + p * ng * block_bytes(bits, G);
+    const float *b = bias != NULL ? bias + n : NULL;
+    int64_t m = 0;
+    float *o = out + n;
+    for (; m + FMR <= rows; m += FMR, o += FMR * N, xs += FMR * K, xsum += FMR * ng)
+        FLOAT_ROWS(FMR);
+    switch (rows - m) {
+#ifdef __AVX512F__
+        case 7: FLOAT_ROWS(7); break;
+        case 6: FLOAT_ROWS(6); break;
+        case 5: FLOAT_ROWS(5); break;
+        case 4: FLOAT_ROWS(4); break;
+        case 3: FLOAT_ROWS(3); break;
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+        case 2: FLOAT_ROWS(2); break;
+#endif
+        case 1: FLOAT_ROWS(1); break;
+        default: break;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+int quant_int8_available(void) { return 1; }
+
+/* Four int8 activations as one int32 in every lane. */
+ALWAYS_INLINE __m512i broadcast4(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    return _mm512_set1_epi32(four);
+}
+
+/* As float_rows, on int8 activations: xq (rows, K) and per row and group (rows, ng) their
+ * scale dx, dx times their sum (dsum) and 128 times their sum (off), from prepare_int8. vpdpbusd sums four products of a lane's bytes into its int32; a group's int32
+ * sums (|sum| <= 127 * 255 * G) are scaled into float32 at its end. The rows' accumulators are
+ * named variables (EACH_ROW), not an array: GCC 12 copied an array's vectors through other
+ * registers around every vpdpbusd, as it did named ones that started from one zero. */
+#define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx,
+                             const float *restrict dsum, const int32_t *restrict off, int64_t K,
+                             int64_t ng,
+                             const uint8_t *panel, const int bits, int64_t G,
+                             float *restrict out, int64_t N, int64_t ncols, const float *bias,
+                             const int rows) {
+    const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int chains = rows <= 2 ? 2 : 1; /* few rows: a second chain a row, for the latency */
+#define DECLARE(r) __m512 total##r = _mm512_setzero_ps(); __m512i acc##r, odd##r;
+    EACH_ROW(DECLARE)
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *block = panel + g * bbytes;
+        const int8_t *xg = xq + g * G;
+#define ZERO(r)                                                                         \
+    acc##r = odd##r = _mm512_setzero_si512();                                           \
+    __asm__("" : "+v"(acc##r), "+v"(odd##r));
+        EACH_ROW(ZERO) /* each its own zero (else GCC copied them from one around each vpdpbusd) */
+        if (bits == 4) {
+            for (int64_t j = 0; j < G / 8; j++) {
+                _mm_prefetch((const char *)block + 64 * j + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512(block + 64 * j);
+                __m512i lo = _mm512_and_si512(v, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#define DOT4(r)                                                                         \
+    if (r < rows) {                                                                     \
+        acc##r = _mm512_dpbusd_epi32(acc##r, lo, broadcast4(xg + r * K + 8 * j));       \
+        __m512i *second = chains == 2 ? &odd##r : &acc##r;                              \
+        *second = _mm512_dpbusd_epi32(*second, hi, broadcast4(xg + r * K + 8 * j + 4));  \
+    }
+                EACH_ROW(DOT4)
+            }
+        } else {
+            for (int64_t j = 0; j < G / 4; j += 2) {
+                _mm_prefetch((const char *)block + 64 * j + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)block + 64 * j + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512(block + 64 * j);
+                __m512i w = _mm512_loadu_si512(block + 64 * j + 64);
+#define DOT8(r)                                                                         \
+    if (r < rows) {                                                                     \
+        acc##r = _mm512_dpbusd_epi32(acc##r, v, broadcast4(xg + r * K + 4 * j));        \
+        __m512i *second = chains == 2 ? &odd##r : &acc##r;                              \
+        *second = _mm512_dpbusd_epi32(*second, w, broadcast4(xg + r * K + 4 * j + 4));  \
+    }
+                EACH_ROW(DOT8)
+            }
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + vbytes)));
+        __m512 mins = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                      (const __m256i *)(block + vbytes + 32)))
+                                : _mm512_setzero_ps();
+        /* total += d scale sum(xq q) (+ d sum(xq) min, 4 bits), 8 bits' offset taken off first */
+#define SCALE(r)                                                                          \
+    if (r < rows) {                                                                       \
+        if (chains == 2) acc##r = _mm512_add_epi32(acc##r, odd##r);                       \
+        if (bits == 8) acc##r = _mm512_sub_epi32(acc##r, _mm512_set1_epi32(off[r * ng + g])); \
+        __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * ng + g]));                 \
+        total##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc##r), ds, total##r);             \
+        if (bits == 4)                                                                    \
+            total##r = _mm512_fmadd_ps(mins, _mm512_set1_ps(dsum[r * ng + g]), total##r); \
+    }
+        EACH_ROW(SCALE)
+    }
+    v16f t[IMR];
+#define KEEP(r) memcpy(&t[r], &total##r, sizeof t[r]);
+    EACH_ROW(KEEP)
+    store_rows(t, rows, out, N, ncols, bias);
+#undef DECLARE
+#undef ZERO
+#undef DOT4
+#undef DOT8
+#undef SCALE
+#undef KEEP
+}
+
+ALWAYS_INLINE void int8_panel(const int8_t *xq, const float *dx, const float *dsum,
+                              const int32_t *off,
+                              const uint8_t *packed, const int bits, int64_t G,
+                              const float *bias, float *out, int64_t rows, int64_t N, int64_t K,
+                              int64_t p) {
+    int64_t ng = K / G, n = p * QP, ncols = N - n < QP ? N - n : QP;
+    const uint8_t *panel = packed + p * ng * block_bytes(bits, G);
+    const float *b = bias != NULL ? bias + n : NULL;
+    int64_t m = 0;
+    float *o = out + n;
+    for (; m + IMR <= rows; m += IMR, o += IMR * N) {
+        INT8_ROWS(IMR);
+        xq += IMR * K, dx += IMR * ng, dsum += IMR * ng, off += IMR * ng;
+    }
+    LAST_ROWS_8(rows - m, INT8_ROWS)
+}
+#else
+int quant_int8_available(void) { return 0; }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Each row's groups as int8: xq = round(x / d) with d = max|x| / 127 (round half to even,
+ * computed as x * (127 / max|x|)); d in dx, d sum(xq) in dsum, 128 sum(xq) in off. */
+ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, int64_t K,
+                                 int64_t G, int8_t *xq, float *dx, float *dsum, int32_t *off) {
+    int64_t ng = K / G;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < ng; g++) {
+            int64_t at = r * K + g * G;
+            __m512 amax = _mm512_setzero_ps();
+            for (int64_t k = 0; k < G; k += QP) {
+                v16f v = load_x16(x, at + k, dtype);
+                __m512 w;
+                memcpy(&w, &v, sizeof w);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(w));
+            }
+            float m = _mm512_reduce_max_ps(amax);
+            __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = 0; k < G; k += QP) {
+                v16f v = load_x16(x, at + k, dtype);
+                __m512 w;
+                memcpy(&w, &v, sizeof w);
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv)); /* nearest, ties even */
+                sum = _mm512_add_epi32(sum, q);
+                _mm_storeu_si128((__m128i *)(xq + at + k), _mm512_cvtepi32_epi8(q));
+            }
+            int32_t total = _mm512_reduce_add_epi32(sum);
+            dx[r * ng + g] = m / 127.0f;
+            dsum[r * ng + g] = dx[r * ng + g] * (float)total;
+            off[r * ng + g] = 128 * total;
+        }
+    }
+}
+
+static void prepare_int8(const void *x, int dtype, int64_t rows, int64_t K, int64_t G, int8_t *xq,
+                         float *dx, float *dsum, int32_t *off) {
+    if (dtype == F32)
+        quantize_rows(x, F32, rows, K, G, xq, dx, dsum, off);
+    else
+        quantize_rows(x, BF16, rows, K, G, xq, dx, dsum, off);
+}
+#endif
+
+/* Bytes of scratch quant_linear needs for M rows of K (either way of multiplying). */
+int64_t quant_linear_scratch(int64_t M, int64_t K, int64_t G) {
+    int64_t rows = M < QROW_BLOCK ? M : QROW_BLOCK;
+    return rows * (K * (int64_t)sizeof(float) + (K / G) * 12) + 64;
+}
+
+/* out (M, N) float32 = x (M, K) @ W.T + bias. x: float32 or bfloat16 (dtype F32 / BF16);
+ * packed: W as the header's layout, bits 4 or 8, G the group size (a multiple of 16 dividing
+ * K); bias (N,) float32 or NULL; int8: quantize the activations (AVX512-VNNI only); scratch:
+ * quant_linear_scratch(M, K, G) bytes. Returns 0; -1 where int8 is asked for without
+ * AVX512-VNNI; -2 for a layout it does not take. */
+int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int64_t G,
+                 const float *bias, float *out, int64_t M, int64_t N, int64_t K, int int8,
+                 void *scratch, int threads) {
+    if ((bits != 4 && bits != 8) || G <= 0 || G % 16 != 0 || K % G != 0) return -2;
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+    if (int8) return -1;
+#endif
+    const int64_t num_panels = (N + QP - 1) / QP, elem = dtype == F32 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += QROW_BLOCK) {
+        const int64_t rows = M - m0 < QROW_BLOCK ? M - m0 : QROW_BLOCK;
+        const void *xb = (const char *)x + m0 * K * elem;
+        float *ob = out + m0 * N;
+        if (!int8) {
+            float *xs = scratch, *xsum = xs + rows * K;
+            prepare_float(xb, dtype, rows, K, bits, G, xs, xsum);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+            for (int64_t p = 0; p < num_panels; p++) {
+                if (bits == 4)
+                    float_panel(xs, xsum, packed, 4, G, bias, ob, rows, N, K, p);
+                else
+                    float_panel(xs, xsum, packed, 8, G, bias, ob, rows, N, K, p);
+            }
+            continue;
+        }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        const int64_t ng = K / G;
+        float *dx = scratch, *dsum = dx + rows * ng;
+        int32_t *off = (int32_t *)(dsum + rows * ng);
+        int8_t *xq = (int8_t *)(off + rows * ng);
+        prepare_int8(xb, dtype, rows, K, G, xq, dx, dsum, off);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (bits == 4)
+                int8_panel(xq, dx, dsum, off, packed, 4, G, bias, ob, rows, N, K, p);
+            else
+                int8_panel(xq, dx, dsum, off, packed, 8, G, bias, ob, rows, N, K, p);
+        }
+#endif
+    }
+    return 0;
+}

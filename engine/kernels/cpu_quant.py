@@ -1,0 +1,130 @@
+"""Weight-only quantized linear layers on the CPU: a QuantizedWeight packed once at load into
+cpu_quant.c's blocks, and the matmul that streams them (5 bits a weight for 4-bit groups of 32,
+8.5 for 8-bit ones, where float32 panels read 32: a decode step's time is those bytes).
+
+Packing rounds the float32 scales and mins to float16 (the block stores them so). That is exact
+for GGUF's Q8_0 / Q4_0 / Q4_1 and GPTQ's float16 scales; K-quants' products (Q4_K's d * sc and
+dmin * m, Q6_K's d * sc: a float16 times a 6- or 8-bit integer) round to at most 2^-11 of
+themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import cpu_kernels
+from engine.quant.weight import QuantizedWeight
+
+PANEL = 16  # output columns per panel (cpu_quant.c's QP)
+# int8 activations (AVX512-VNNI) from this many rows: below it the float path streams the
+# weights as fast and its results are the dequantized matrix's to rounding (cpu_quant.c's
+# header; measured in bench/kernels_quant.py)
+INT8_MIN_ROWS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PackedQuant:
+    """A QuantizedWeight as quant_linear reads it: data (ceil(N / 16), K / group_size,
+    block_bytes) uint8, cpu_quant.c's layout."""
+
+    data: torch.Tensor
+    bits: int
+    group_size: int
+    out_features: int  # N
+    in_features: int  # K
+
+    @property
+    def nbytes(self) -> int:
+        """What one multiplication streams."""
+        return self.data.numel()
+
+
+def block_bytes(bits: int, group_size: int) -> int:
+    """Bytes of one group of a panel's 16 columns: values, float16 scales (and mins)."""
+    return group_size * PANEL * bits // 8 + PANEL * 2 * (2 if bits == 4 else 1)
+
+
+def pack_quantized(w: QuantizedWeight) -> PackedQuant:
+    """w in cpu_quant.c's layout (see its header); N padded to a multiple of 16 with zeros."""
+    n, k = w.shape
+    g = w.group_size
+    if g % 16:
+        raise ValueError(f"group size {g} is not a multiple of 16")
+    panels, groups = -(-n // PANEL), k // g
+    padded_n = panels * PANEL
+    values = torch.zeros(padded_n, k, dtype=torch.uint8)
+    if w.bits == 4:
+        if n and int(w.values.max()) > 15:
+            raise ValueError("4-bit values must lie in 0..15")
+        values[:n] = w.values
+        v = values.view(panels, PANEL, groups, g // 8, 2, 4)  # (.., chunk, nibble, lane byte)
+        packed = v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)  # (panel, col, group, chunk, 4)
+        packed = packed.permute(0, 2, 3, 1, 4).reshape(panels, groups, 8 * g)
+    else:
+        values[:n] = (w.values.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd's unsigned
+        v = values.view(panels, PANEL, groups, g // 4, 4)  # (panel, col, group, chunk, 4)
+        packed = v.permute(0, 2, 3, 1, 4).reshape(panels, groups, 16 * g)
+    parts = [packed, _halves(w.scales, padded_n, "scales")]
+    if w.mins is not None:
+        parts.append(_halves(w.mins, padded_n, "mins"))
+    data = torch.cat(parts, dim=-1).contiguous()
+    assert data.shape[-1] == block_bytes(w.bits, g)
+    return PackedQuant(data, w.bits, g, n, k)
+
+
+def _halves(x: torch.Tensor, padded_n: int, name: str) -> torch.Tensor:
+    """(N, groups) float32 as each block's 16 float16 values: (panels, groups, 32) bytes."""
+    n, groups = x.shape
+    if x.numel() and not bool((x.abs() <= 65504.0).all()):  # NaN fails too
+        raise ValueError(f"{name} must be finite and within float16's range (65504)")
+    padded = torch.zeros(padded_n, groups, dtype=torch.float16)
+    padded[:n] = x.to(torch.float16)
+    halves = padded.view(-1, PANEL, groups).transpose(1, 2).contiguous()  # (panels, groups, 16)
+    return halves.view(torch.uint8)
+
+
+def int8_available() -> bool:
+    """Whether the kernels were built with AVX512-VNNI (the int8-activation path)."""
+    lib = cpu_kernels.library()
+    return lib is not None and bool(lib.quant_int8_available())
+
+
+def quant_linear(
+    x: torch.Tensor,
+    packed: PackedQuant,
+    bias: torch.Tensor | None = None,
+    int8_activations: bool | None = None,
+) -> torch.Tensor:
+    """x (..., K) @ W.T + bias in float32 (..., N), as cpu_kernels.panel_linear: x float32 or
+    bfloat16 (other dtypes are widened to float32), bias (N,) or None. int8_activations:
+    quantize x per row and group (AVX512-VNNI); None picks it from INT8_MIN_ROWS rows where
+    the kernels have it. Runs on torch's thread count."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    n, k = packed.out_features, packed.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    if x.dtype not in cpu_kernels.DTYPE_CODES:
+        x = x.float()
+    rows = x.reshape(-1, k).contiguous()  # (M, K)
+    m = rows.shape[0]
+    if int8_activations is None:
+        int8_activations = m >= INT8_MIN_ROWS and int8_available()
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} for {n} outputs")
+        bias = bias.float().contiguous()
+    out = torch.empty(m, n)
+    scratch = torch.empty(lib.quant_linear_scratch(m, k, packed.group_size), dtype=torch.uint8)
+    status = cpu_kernels.run(
+        "quant_linear",
+        rows.data_ptr(), cpu_kernels.DTYPE_CODES[rows.dtype], packed.data.data_ptr(), packed.bits,
+        packed.group_size, cpu_kernels.address(bias), out.data_ptr(), m, n, k,
+        int(int8_activations), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError("int8 activations need AVX512-VNNI, which these kernels lack")
+    assert status == 0, f"quant_linear: layout not taken ({status})"
+    return out.reshape(*x.shape[:-1], n)
