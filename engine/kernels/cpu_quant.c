@@ -62,13 +62,15 @@ enum { QP = 16, QROW_BLOCK = 48 };
 #define PREFETCH_BYTES 1024 /* the hardware prefetcher alone fell behind with several rows */
 
 /* Rows of x that share each weight load: their float accumulators (two vectors a row: the
- * group's sum and the total) must fit the vector registers (32 zmm; 16 ymm, 2 a vector). */
+ * group's sum and the total) must fit the vector registers (32 zmm; 16 ymm, 2 a vector). With
+ * fewer rows, a row's k steps alternate between up to CHAINS / rows group sums, so that CHAINS
+ * independent chains of FMAs hide their latency. */
 #ifdef __AVX512F__
-enum { FMR = 8, IMR = 8 };
+enum { FMR = 8, IMR = 8, CHAINS = 8 };
 #elif defined(__AVX2__)
-enum { FMR = 3, IMR = 1 };
+enum { FMR = 3, IMR = 1, CHAINS = 4 };
 #else
-enum { FMR = 2, IMR = 1 };
+enum { FMR = 2, IMR = 1, CHAINS = 2 };
 #endif
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -159,14 +161,14 @@ ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xs
                               int64_t ng, const uint8_t *panel, const int bits, int64_t G,
                               float *restrict out, int64_t N, int64_t ncols, const float *bias,
                               const int rows) {
-    const int split = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    const int split = rows * 8 <= CHAINS ? 8 : rows * 4 <= CHAINS ? 4 : rows * 2 <= CHAINS ? 2 : 1;
     const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
     v16f total[FMR];
     for (int r = 0; r < rows; r++) total[r] = splat16(0.0f);
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const float *xg = xs + g * G;
-        v16f acc[4][FMR];
+        v16f acc[8][FMR];
         for (int s = 0; s < split; s++)
             for (int r = 0; r < rows; r++) acc[s][r] = splat16(0.0f);
         if (bits == 4) {
@@ -181,14 +183,14 @@ ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xs
                 }
             }
         } else {
-            for (int64_t j = 0; j < G / 4; j++) {
+            for (int64_t j = 0; j < G / 4; j += 2) { /* two chunks: 8 k steps, as 4 bits */
                 __builtin_prefetch(block + 64 * j + PREFETCH_BYTES);
-                v16u v = load16u(block + 64 * j);
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    v16f w = byte_top(v, i);
+                __builtin_prefetch(block + 64 * j + 64 + PREFETCH_BYTES);
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) {
+                    v16f w = byte_top(load16u(block + 64 * j + 64 * (t / 4)), t % 4);
                     for (int r = 0; r < rows; r++)
-                        acc[i % split][r] += w * splat16(xg[r * K + 4 * j + i]);
+                        acc[t % split][r] += w * splat16(xg[r * K + 4 * j + t]);
                 }
             }
         }

@@ -18,10 +18,13 @@ from engine.kernels import cpu_kernels
 from engine.quant.weight import QuantizedWeight
 
 PANEL = 16  # output columns per panel (cpu_quant.c's QP)
-# int8 activations (AVX512-VNNI) from this many rows: below it the float path streams the
-# weights as fast and its results are the dequantized matrix's to rounding (cpu_quant.c's
-# header; measured in bench/kernels_quant.py)
-INT8_MIN_ROWS = 4
+# int8 activations (AVX512-VNNI) from this many rows, where the kernels have them. They were the
+# faster path at every row count measured (bench/kernels_quant.py: SmolLM2's matrices, one
+# thread: 1.15x the float path at 1 row, 1.35x at 2, 2.4x at 8, 2.7x at 32), and a row's result
+# does not depend on the rows beside it (exact integer sums, the same float steps per row),
+# which the float path's row-count-dependent summation order does not give. Their error is
+# the activations' rounding (cpu_quant.c's header), as llama.cpp's Q8 activations have it.
+INT8_MIN_ROWS = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,16 +114,29 @@ def test_int8_path_is_the_matmul_of_its_quantized_activations(
 
 
 def test_default_path_by_row_count() -> None:
-    """None takes the float path below INT8_MIN_ROWS rows (bit for bit), and the int8 path
-    from there where the kernels have it."""
+    """None takes the int8 path from INT8_MIN_ROWS rows where the kernels have it, else the
+    float path (bit for bit the same as asking for it)."""
     torch.manual_seed(3)
-    w = random_weight(4, 32)
-    packed = cpu_quant.pack_quantized(w)
-    for rows in (1, cpu_quant.INT8_MIN_ROWS - 1, cpu_quant.INT8_MIN_ROWS, 32):
+    packed = cpu_quant.pack_quantized(random_weight(4, 32))
+    for rows in (1, 2, 8, 32):
         x = torch.randn(rows, K)
         int8 = rows >= cpu_quant.INT8_MIN_ROWS and cpu_quant.int8_available()
         expected = cpu_quant.quant_linear(x, packed, int8_activations=int8)
         assert torch.equal(cpu_quant.quant_linear(x, packed), expected)
+
+
+@needs_int8
+def test_int8_rows_do_not_depend_on_the_rows_beside_them() -> None:
+    """A row's int8-path result is the same alone or in any batch (integer sums, the same float
+    steps per row): a sequence decodes the same whatever else is in the step."""
+    torch.manual_seed(8)
+    for bits in (4, 8):
+        packed = cpu_quant.pack_quantized(random_weight(bits, 32))
+        x = torch.randn(33, K)
+        batch = cpu_quant.quant_linear(x, packed, int8_activations=True)
+        for row in (0, 7, 8, 32):
+            alone = cpu_quant.quant_linear(x[row : row + 1], packed, int8_activations=True)
+            assert torch.equal(alone[0], batch[row])
 
 
 def test_threads_split_panels_without_changing_results() -> None:
