@@ -77,20 +77,20 @@ class LlamaCppInstall:
     python: Path  # the venv's python, with llama_cpp and its server extra
 
 
-def ensure_llamacpp() -> LlamaCppInstall:
-    """Both servers, each built on first use (the sdist once, then llama-server, then the
-    package), each step skipped when its output is there."""
+def ensure_llamacpp(systems: list[str]) -> LlamaCppInstall:
+    """The servers of `systems`, each built on first use (the sdist once, then llama-server or
+    the package), each step skipped when its output is there."""
     install = LlamaCppInstall(LLAMACPP_VENV / "bin/llama-server", LLAMACPP_VENV / "bin/python")
     if not install.python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], check=True)
-    sdist = _sdist()
-    if not install.llama_server.exists():
-        _build_llama_server(sdist, install.llama_server)
-    has_server = subprocess.run(
-        [str(install.python), "-c", "import llama_cpp.server.app"], capture_output=True
-    )
-    if has_server.returncode != 0:
-        _install_llama_cpp_python(sdist, install.python)
+    if "llamacpp" in systems and not install.llama_server.exists():
+        _build_llama_server(_sdist(), install.llama_server)
+    if "llamacpp-python" in systems:
+        has_server = subprocess.run(
+            [str(install.python), "-c", "import llama_cpp.server.app"], capture_output=True
+        )
+        if has_server.returncode != 0:
+            _install_llama_cpp_python(_sdist(), install.python)
     return install
 
 
@@ -173,6 +173,7 @@ def llama_server_command(binary: Path, gguf: Path, model: str, port: int) -> lis
         "--threads", "1", "--threads-batch", "1",
         "--parallel", str(SLOTS), "--cont-batching", "--ctx-size", str(SLOTS * SLOT_CONTEXT),
         "--batch-size", str(BATCH_TOKENS), "--ubatch-size", str(BATCH_TOKENS),
+        "--metrics",  # tokens_generated() reads its count
     ]  # fmt: skip
 
 
@@ -211,6 +212,16 @@ def extra_body(system: str, model: GgufModel) -> dict | None:
     return None
 
 
+def request_headers(system: str) -> dict[str, str] | None:
+    """llama-server (this version) answers a streamed request with `Keep-Alive` and then closes
+    the connection; aiohttp, under `vllm bench serve`, sends the next request on it and fails
+    with "Server disconnected" (curl retries, and says "Connection died"). `Connection: close`
+    makes the client open a connection per request, as the server does anyway."""
+    if system == "llamacpp":
+        return {"Connection": "close"}
+    return None
+
+
 class LlamaCppServer:
     """One of llama.cpp's servers on a free port, in its own process group; stopped with
     SIGTERM (SIGKILL after 30 s)."""
@@ -220,6 +231,7 @@ class LlamaCppServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / f"{system}.log").open("ab")
+        self.system = system
         if system == "llamacpp":
             command = llama_server_command(install.llama_server, gguf, model, self.port)
         elif system == "llamacpp-python":
@@ -252,6 +264,22 @@ class LlamaCppServer:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.log.name}: the server did not start in {START_TIMEOUT_S} s")
+
+    def tokens_generated(self) -> int | None:
+        """llama-server's own count of the tokens it generated so far (its Prometheus counter),
+        or None for llama_cpp.server, which keeps none. `vllm bench serve` cannot count
+        llama-server's tokens: it reads `usage` only from a chunk without choices, and
+        llama-server sends it in the last chunk with the finish reason, so the load generator
+        re-tokenizes the text instead, which counts fewer tokens than were generated (65 for
+        128 on one random prompt here)."""
+        if self.system != "llamacpp":
+            return None
+        metrics = httpx.get(f"{self.url}/metrics", timeout=10)
+        metrics.raise_for_status()
+        for line in metrics.text.splitlines():
+            if line.startswith("llamacpp:tokens_predicted_total "):
+                return int(float(line.split()[1]))
+        raise RuntimeError(f"{self.url}/metrics has no llamacpp:tokens_predicted_total")
 
     def stop(self) -> None:
         if self.process.poll() is None:

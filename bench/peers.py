@@ -68,6 +68,7 @@ from bench.llamacpp_peer import (
     LlamaCppServer,
     ensure_llamacpp,
     extra_body,
+    request_headers,
 )
 from bench.llamacpp_peer import configuration as llamacpp_configuration
 from bench.serving import Cluster, free_port
@@ -175,9 +176,11 @@ class VllmServer:
 
 
 def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrency: int,
-                seed: int, workdir: Path, extra: dict | None = None) -> dict:  # fmt: skip
+                seed: int, workdir: Path, extra: dict | None = None,
+                headers: dict[str, str] | None = None) -> dict:  # fmt: skip
     """`vllm bench serve` against one server at one concurrency: its result JSON. `extra` goes
-    into every request's body; `model_dir` is only the tokenizer's."""
+    into every request's body and `headers` into its headers; `model_dir` is only the
+    tokenizer's."""
     result = workdir / f"result-{time.time_ns()}.json"
     num_prompts = max(4, 2 * concurrency)
     command = [
@@ -192,6 +195,8 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
     ]  # fmt: skip
     if extra:
         command += ["--extra-body", json.dumps(extra)]
+    if headers:
+        command += ["--header", *(f"{key}={value}" for key, value in headers.items())]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0 or not result.exists():
@@ -203,6 +208,7 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "itl_p50_s": raw["median_itl_ms"] / 1000,
         "completed": raw["completed"],
         "output_tokens_per_request": raw["total_output_tokens"] / max(1, raw["completed"]),
+        "duration_s": raw["duration"],
         "failed": raw.get("failed", num_prompts - raw["completed"]),
     }
 
@@ -508,7 +514,7 @@ def main() -> None:
     args = parser.parse_args()
     systems = [*args.peers, *args.servers]
     bin_dir = ensure_vllm()  # its `vllm bench serve` loads every server
-    llamacpp = ensure_llamacpp() if set(args.peers) & set(LLAMACPP_SYSTEMS) else None
+    llamacpp = ensure_llamacpp(args.peers) if set(args.peers) & set(LLAMACPP_SYSTEMS) else None
     bandwidth = read_bandwidth_gb_s()
     host = {"machine": platform.machine(), "cpus": os.cpu_count(), **cpu_features(),
             "read_gb_s_one_core": round(bandwidth, 1), "vllm": VLLM_VERSION}  # fmt: skip
@@ -567,16 +573,33 @@ def run_target(
             running = start(system, target, bin_dir, llamacpp, workdir)
             try:
                 for c in args.concurrency:
+                    counted = _tokens_generated(running)
                     figures = bench_serve(
                         bin_dir, running.url, served_name(system, target), target.model_dir, c,
                         seed=1000 * repeat + c, workdir=workdir,
-                        extra=request_extra(system, target),
+                        extra=request_extra(system, target), headers=request_headers(system),
                     )  # fmt: skip
+                    if counted is not None:
+                        figures = recounted(figures, _tokens_generated(running) - counted)
                     runs[system][c].append(figures)
                     print(f"[peers]   {c} clients: {figures}", flush=True)
             finally:
                 running.stop()
     return runs
+
+
+def _tokens_generated(running: VllmServer | LlamaCppServer | Cluster) -> int | None:
+    return running.tokens_generated() if isinstance(running, LlamaCppServer) else None
+
+
+def recounted(figures: dict, tokens: int) -> dict:
+    """The figures with the output tokens the server counted itself in place of the load
+    generator's count (LlamaCppServer.tokens_generated says why)."""
+    return {
+        **figures,
+        "output_tokens_per_s": tokens / figures["duration_s"],
+        "output_tokens_per_request": tokens / max(1, figures["completed"]),
+    }
 
 
 def _earlier(out: Path, key: str) -> dict:

@@ -19,7 +19,15 @@ from bench.llamacpp_peer import (
     extra_body,
     llama_server_command,
 )
-from bench.peers import StepBytes, Target, _compared, gguf_step_bytes, summarize, systems_for
+from bench.peers import (
+    StepBytes,
+    Target,
+    _compared,
+    gguf_step_bytes,
+    recounted,
+    summarize,
+    systems_for,
+)
 from engine.smollm2_model import gguf_path
 
 SMOLLM2_Q4 = "builtin:smollm2-135m-q4"
@@ -132,14 +140,26 @@ def test_llama_server_runs_one_thread_on_one_core_with_a_slot_per_client() -> No
     not (LLAMACPP_VENV / "bin/llama-server").exists() or shutil.which("taskset") is None,
     reason="llama-server is not built here (bench/peers.py --peers llamacpp builds it)",
 )
-def test_llama_server_serves_the_wheels_gguf_with_eos_ignored(tmp_path: Path) -> None:
+def test_llama_server_serves_the_wheels_gguf_with_eos_ignored_and_counts_its_tokens(
+    tmp_path: Path,
+) -> None:
     install = LlamaCppInstall(LLAMACPP_VENV / "bin/llama-server", LLAMACPP_VENV / "bin/python")
     server = LlamaCppServer(install, "llamacpp", SMOLLM2_Q4, gguf_path(), tmp_path)
     try:
         body = {"model": SMOLLM2_Q4, "prompt": "The capital of France is", "max_tokens": 40,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        counted = server.tokens_generated()
     finally:
         server.stop()
-    assert answer["usage"]["completion_tokens"] == 40
+    assert answer["usage"]["completion_tokens"] == counted == 40
     assert "Paris" in answer["choices"][0]["text"]
+
+
+def test_a_servers_own_token_count_replaces_the_load_generators() -> None:
+    figures = {"output_tokens_per_s": 40.0, "output_tokens_per_request": 100.0, "duration_s": 8.0,
+               "completed": 4, "ttft_p50_s": 0.5}  # fmt: skip
+    fixed = recounted(figures, 512)
+    assert fixed["output_tokens_per_s"] == 64.0
+    assert fixed["output_tokens_per_request"] == 128.0
+    assert fixed["ttft_p50_s"] == 0.5
