@@ -76,12 +76,13 @@ def test_float_path_matches_the_dequantized_matmul(
     bits: int, group_size: int, dtype: torch.dtype
 ) -> None:
     """Every row-count shape the kernel unrolls apart (1, 2: split accumulators; 3; 8: a full
-    block; 33: blocks and a remainder), N not a multiple of its 16-column panels, a bias or
-    not, group sizes down to 16 and up to the whole row (int8 per channel)."""
+    block; 33: blocks and a remainder; 57: a second block of 48 rows), N not a multiple of its
+    16-column panels, a bias or not, group sizes down to 16 and up to the whole row (int8 per
+    channel)."""
     torch.manual_seed(bits * 1000 + group_size)
     w = random_weight(bits, group_size)
     packed = cpu_quant.pack_quantized(w)
-    for rows in (1, 2, 3, 8, 33):
+    for rows in (1, 2, 3, 8, 33, 57):
         x = torch.randn(rows, K).to(dtype)
         for bias in (None, torch.randn(N)):
             out = cpu_quant.quant_linear(x, packed, bias, int8_activations=False)
@@ -98,7 +99,7 @@ def test_int8_path_is_the_matmul_of_its_quantized_activations(
     torch.manual_seed(bits * 1000 + group_size + 1)
     w = random_weight(bits, group_size)
     packed = cpu_quant.pack_quantized(w)
-    for rows in (1, 2, 3, 8, 9, 33):
+    for rows in (1, 2, 3, 8, 9, 33, 57):
         x = torch.randn(rows, K).to(dtype)
         x[0, :group_size] = 0  # a group of zeros: scale 0, no division by it
         bias = torch.randn(N)
