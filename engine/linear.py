@@ -120,9 +120,17 @@ class Linear(nn.Linear):
     def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """What the C decode step reads, the weight (panels or pairs) and the float32 bias,
         where the layer has them."""
+        if isinstance(self.packed, cpu_quant.PackedQuant):
+            return self.packed.data, self.bias
         if self.layout == "panels":
             return self.weight, self.bias
         return self.decode_copy
+
+    def quant_spec(self) -> tuple[int, int]:
+        """(bits, group size) of a matrix cpu_quant.c runs; (0, 0) for a float one."""
+        if isinstance(self.packed, cpu_quant.PackedQuant):
+            return self.packed.bits, self.packed.group_size
+        return 0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "plain":

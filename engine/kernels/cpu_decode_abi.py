@@ -8,9 +8,16 @@ import ctypes
 
 import torch
 
+from engine.kernels import cpu_quant
 from engine.kernels.cpu_kernels import DTYPE_CODES, library, run
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class QuantSpec(ctypes.Structure):
+    """cpu_decode_step.h's QuantSpec: bits 0 (a float matrix) or 4 / 8 in groups (cpu_quant.c)."""
+
+    _fields_ = [("bits", _i64), ("group_size", _i64)]
 
 
 class LayerAttention(ctypes.Structure):
@@ -22,7 +29,7 @@ class LayerAttention(ctypes.Structure):
             "k_cache", "v_cache",
         )),
         ("rotary_dim", _i64), ("positions_row", _i64), ("window", _i64), ("scale", _f32),
-        ("soft_cap", _f32),
+        ("soft_cap", _f32), ("qkv_quant", QuantSpec), ("o_quant", QuantSpec),
     ]  # fmt: skip
 
 
@@ -34,7 +41,7 @@ class LayerMlp(ctypes.Structure):
             "gate_up", "down", "router", "router_bias", "experts_gate_up", "experts_down",
             "experts_gate_up_bias", "experts_down_bias",
         )),
-        ("activation", _i64),
+        ("activation", _i64), ("gate_up_quant", QuantSpec), ("down_quant", QuantSpec),
     ]  # fmt: skip
 
 
@@ -69,7 +76,7 @@ class DecodeShape(ctypes.Structure):
             "block_stride", "max_blocks",
         )),
         ("eps", _f32), ("threads", _int), ("dtype", _int), ("pairs", _int), ("gemma", _int),
-        ("moe", MoeShape),
+        ("moe", MoeShape), ("quant_int8", _int),
     ]  # fmt: skip
 
 
@@ -100,6 +107,7 @@ def decode_step(
     lens = context_lens.to(torch.int32).contiguous()
     shape.max_blocks, shape.threads = tables.shape[1], torch.get_num_threads()
     shape.dtype = DTYPE_CODES[x.dtype]
+    shape.quant_int8 = rows >= cpu_quant.INT8_MIN_ROWS and cpu_quant.int8_available()
     scratch = torch.empty(lib.decode_step_scratch(ctypes.byref(shape), rows))
     status = run(
         "decode_step",

@@ -47,7 +47,7 @@ static void route_row(const void *logits, int64_t r, const MoeShape *moe, int dt
 int decode_moe(const LayerMlp *m, const DecodeShape *s, const Buffers *b, int64_t M) {
     const MoeShape *moe = &s->moe;
     int64_t E = moe->num_experts, k = moe->top_k, H = s->hidden;
-    decode_linear(b->h, m->router, m->router_bias, b->logits, M, E, H, s, b);
+    decode_linear(b->h, m->router, NULL, m->router_bias, b->logits, M, E, H, s, b);
     for (int64_t r = 0; r < M; r++)
         route_row(b->logits, r, moe, s->dtype, b->scores, b->topk_work, b->topk_ids + r * k,
                   b->topk_weights + r * k);

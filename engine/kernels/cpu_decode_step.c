@@ -47,7 +47,7 @@ typedef struct {
 /* Buffers in the order carve lays them out: the int64 ones first, so that they stay aligned. */
 enum {
     B_TOPK_IDS, B_TOPK_WORK, B_RESIDUAL, B_H, B_Y, B_QKV, B_ATTN, B_GATE_UP, B_ACT, B_LOGITS,
-    B_Q32, B_ATTN32, B_X32, B_OUT32, B_SCORES, B_TOPK_WEIGHTS, NUM_BUFFERS
+    B_Q32, B_ATTN32, B_X32, B_OUT32, B_SCORES, B_TOPK_WEIGHTS, B_QUANT, NUM_BUFFERS
 };
 
 static int64_t max4(int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -73,6 +73,8 @@ static void buffer_floats(const DecodeShape *s, int64_t M, int64_t n[NUM_BUFFERS
     n[B_OUT32] = M * max4(row, 2 * I, H, E);
     n[B_SCORES] = E;
     n[B_TOPK_WEIGHTS] = M * k;
+    /* the most quant_linear asks for: the widest K, the smallest group */
+    n[B_QUANT] = (quant_linear_scratch(M, max4(H, I, q_len, 0), 16) + 3) / 4;
 }
 
 static Buffers carve(float *scratch, const DecodeShape *s, int64_t M) {
@@ -86,6 +88,7 @@ static Buffers carve(float *scratch, const DecodeShape *s, int64_t M) {
         .x32 = at[B_X32], .out32 = at[B_OUT32], .q32 = at[B_Q32], .attn32 = at[B_ATTN32],
         .scores = at[B_SCORES], .topk_weights = at[B_TOPK_WEIGHTS],
         .topk_ids = (int64_t *)at[B_TOPK_IDS], .topk_work = at[B_TOPK_WORK],
+        .quant = at[B_QUANT],
     };
 }
 
@@ -104,10 +107,14 @@ static const float *widen(const void *in, int64_t n, int dtype, float *buf) {
     return buf;
 }
 
-void decode_linear(const void *in, const void *weights, const float *bias, void *out, int64_t M,
-                   int64_t N, int64_t K, const DecodeShape *s, const Buffers *b) {
+void decode_linear(const void *in, const void *weights, const QuantSpec *q, const float *bias,
+                   void *out, int64_t M, int64_t N, int64_t K, const DecodeShape *s,
+                   const Buffers *b) {
     float *o = s->dtype == F32 ? out : b->out32;
-    if (s->pairs)
+    if (q != NULL && q->bits != 0)
+        quant_linear(in, s->dtype, weights, (int)q->bits, q->group_size, bias, o, M, N, K,
+                     s->quant_int8, b->quant, s->threads);
+    else if (s->pairs)
         pair_linear(in, weights, bias, o, M, N, K, s->threads);
     else
         panel_linear(widen(in, M * K, s->dtype, b->x32), weights, s->dtype, bias, o, M, N, K,
@@ -155,12 +162,12 @@ static int attention(const LayerAttention *A, const DecodeShape *s, const Buffer
 static int mlp(const LayerMlp *m, const DecodeShape *s, const Buffers *b, int64_t M) {
     if (m->router != NULL) return decode_moe(m, s, b, M);
     int64_t H = s->hidden, I = s->intermediate;
-    decode_linear(b->h, m->gate_up, NULL, b->gate_up, M, 2 * I, H, s, b);
+    decode_linear(b->h, m->gate_up, &m->gate_up_quant, NULL, b->gate_up, M, 2 * I, H, s, b);
     if (m->activation == MLP_SILU)
         silu_mul(b->gate_up, b->act, M, I, s->dtype);
     else
         gelu_tanh_mul(b->gate_up, b->act, M, I, s->dtype);
-    decode_linear(b->act, m->down, NULL, b->y, M, H, I, s, b);
+    decode_linear(b->act, m->down, &m->down_quant, NULL, b->y, M, H, I, s, b);
     return 0;
 }
 
@@ -175,9 +182,10 @@ static int layer(const DecodeLayer *L, const void *first_x, const DecodeShape *s
     } else {
         norm(b->y, b->residual, L->input_norm, b->h, M, s);
     }
-    decode_linear(b->h, L->attn.qkv, L->attn.qkv_bias, b->qkv, M, row, H, s, b);
+    decode_linear(b->h, L->attn.qkv, &L->attn.qkv_quant, L->attn.qkv_bias, b->qkv, M, row, H, s,
+                  b);
     if (attention(&L->attn, s, b, M, in) != 0) return -1;
-    decode_linear(b->attn, L->attn.o, L->attn.o_bias, b->y, M, H, q_len, s, b);
+    decode_linear(b->attn, L->attn.o, &L->attn.o_quant, L->attn.o_bias, b->y, M, H, q_len, s, b);
     if (L->attn_out_norm != NULL) norm(b->y, NULL, L->attn_out_norm, b->y, M, s);
     norm(b->y, b->residual, L->mlp_norm, b->h, M, s);
     if (mlp(&L->mlp, s, b, M) != 0) return -1;

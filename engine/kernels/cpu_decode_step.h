@@ -36,12 +36,23 @@ int moe_experts(const void *x, const int64_t *topk_ids, const float *topk_weight
                 const float *down_bias, void *out, int64_t tokens, int64_t top_k, int64_t E,
                 int64_t H, int64_t I, int dtype, int pairs, int activation, float alpha,
                 float limit, int64_t chunk_bytes, int threads);
+/* cpu_quant.c: weight-only quantized matrices (engine/kernels/cpu_quant.py packs them) */
+int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int64_t G,
+                 const float *bias, float *out, int64_t M, int64_t N, int64_t K, int int8,
+                 void *scratch, int threads);
+int64_t quant_linear_scratch(int64_t M, int64_t K, int64_t G);
 /* cpu_topk.cpp: the k largest of x (n) in torch.topk's order; work: n * 16 bytes */
 void topk_largest(const float *x, int64_t n, int64_t k, void *work, float *values,
                   int64_t *ids);
 
 enum { MLP_SILU = 0, MLP_GELU_TANH = 1 };          /* a dense MLP's activation */
 enum { TOPK_SOFTMAX = 0, SOFTMAX_TOPK = 1 };       /* a router's order (MoeConfig.routing) */
+
+/* How a matrix is stored: bits 0, in the step's float layout (DecodeShape.pairs); 4 or 8,
+ * weight-only quantized in groups of group_size along K, as cpu_quant.c packs them. */
+typedef struct {
+    int64_t bits, group_size;
+} QuantSpec;
 
 /* Attention's tensors (layers.Attention) and this layer's own settings. */
 typedef struct {
@@ -57,6 +68,7 @@ typedef struct {
     int64_t positions_row;      /* the row of decode_step's table positions this table reads */
     int64_t window;             /* sliding window, 0: none */
     float scale, soft_cap;      /* soft_cap 0: none */
+    QuantSpec qkv_quant, o_quant;
 } LayerAttention;
 
 /* The MLP: dense (gate_up, down) or a mixture of experts (router not NULL). */
@@ -67,6 +79,7 @@ typedef struct {
     const void *experts_gate_up, *experts_down; /* as cpu_kernels.pack_experts left them */
     const float *experts_gate_up_bias, *experts_down_bias;
     int64_t activation;         /* dense: MLP_SILU or MLP_GELU_TANH */
+    QuantSpec gate_up_quant, down_quant;
 } LayerMlp;
 
 /* One layer. Norms before attention and before the MLP add the residual first; the two on
@@ -93,6 +106,7 @@ typedef struct {
     int pairs; /* bfloat16 weights in cpu_linear.c's pairs, multiplied by bfloat16 dot products */
     int gemma; /* every RMSNorm is Gemma's (1 + w) */
     MoeShape moe;
+    int quant_int8; /* quantized matrices take int8 activations (cpu_quant.c's VNNI path) */
 } DecodeShape;
 
 /* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a
@@ -102,12 +116,13 @@ typedef struct {
     void *residual, *h, *y, *qkv, *attn, *gate_up, *act, *logits;
     float *x32, *out32, *q32, *attn32, *scores, *topk_weights;
     int64_t *topk_ids;
-    void *topk_work;
+    void *topk_work, *quant; /* quant: quant_linear's scratch */
 } Buffers;
 
 /* out (M, N) = in (M, K) @ W.T + bias, rounded to the dtype as Python's `.to(x.dtype)` does. */
-void decode_linear(const void *in, const void *weights, const float *bias, void *out, int64_t M,
-                   int64_t N, int64_t K, const DecodeShape *s, const Buffers *b);
+void decode_linear(const void *in, const void *weights, const QuantSpec *q, const float *bias,
+                   void *out, int64_t M, int64_t N, int64_t K, const DecodeShape *s,
+                   const Buffers *b);
 /* b->y = the layer's mixture of experts on b->h; 0, or -1 when its buffers could not be had. */
 int decode_moe(const LayerMlp *m, const DecodeShape *s, const Buffers *b, int64_t M);
 #endif

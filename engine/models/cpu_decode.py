@@ -86,13 +86,13 @@ def _mlp_runs(mlp: object, config: ModelConfig) -> bool:
 
 def use_c_decode_step(model: CausalLM) -> bool:
     """Run decode-only batches as one C call where the C pass computes what `forward` would:
-    every layer's weights in panels, or a copy beside oneDNN's (in bfloat16 pairs: any batch;
-    in panels: small batches only), the C norms and rotary on."""
+    every layer's weights in panels or quantized (cpu_quant.c), or a copy beside oneDNN's (in
+    bfloat16 pairs: any batch; in panels: small batches only), the C norms and rotary on."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     copies = [m.decode_copy[0] for m in layers if m.decode_copy is not None]
     every_layer = len(copies) == len(layers)
     model.c_decode_pairs = every_layer and all(t.dim() == 4 for t in copies)
-    if all(m.layout == "panels" for m in layers) or model.c_decode_pairs:
+    if all(m.layout in ("panels", "quantized") for m in layers) or model.c_decode_pairs:
         max_rows = 1 << 30
     elif every_layer and all(t.dim() == 3 for t in copies):
         max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN
@@ -169,6 +169,8 @@ def _fill_attention(
     qkv, o = _decode_tensors(attn.qkv_proj), _decode_tensors(attn.o_proj)
     entry.qkv, entry.qkv_bias = address(qkv[0]), address(qkv[1])
     entry.o, entry.o_bias = address(o[0]), address(o[1])
+    entry.qkv_quant = decode_abi.QuantSpec(*attn.qkv_proj.quant_spec())
+    entry.o_quant = decode_abi.QuantSpec(*attn.o_proj.quant_spec())
     if attn.qk_norm:
         entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
     if attn.sinks is not None:  # the Python path reads them as float32 too
@@ -203,6 +205,8 @@ def _fill_mlp(entry: decode_abi.LayerMlp, mlp: torch.nn.Module) -> None:
     assert isinstance(mlp, GatedMLP)
     gate_up, down = _decode_tensors(mlp.gate_up_proj), _decode_tensors(mlp.down_proj)
     entry.gate_up, entry.down = gate_up[0].data_ptr(), down[0].data_ptr()
+    entry.gate_up_quant = decode_abi.QuantSpec(*mlp.gate_up_proj.quant_spec())
+    entry.down_quant = decode_abi.QuantSpec(*mlp.down_proj.quant_spec())
     entry.activation = decode_abi.MLP_ACTIVATIONS[mlp.activation]
 
 

@@ -49,6 +49,7 @@ def test_the_q4_gguf_runs_quantized_and_computes_its_dequantized_model(
     if cpu_kernels.library() is not None:  # every matrix 4-bit but the tied head (Q8_0)
         assert all(m.layout == "quantized" for m in layers)
         assert quantized.engine.model.lm_head.packed.bits == 8
+        assert quantized.engine.model.c_decode_max_rows > 0  # decode: the one-call C step
     # float32 and float activations: summation order only; else the rounding of bfloat16
     # weights (the reference's) or of int8 activations (ours): (max, mean) |difference|
     exact = dtype == "float32" and not int8_activations
