@@ -12,26 +12,27 @@ called through ctypes with every buffer allocated up front, so the times are the
 is the median of the rounds.
 
 This project's 2-core Zen 4 VM (AVX512-VNNI and -BF16), one thread, 15 rounds, while other
-jobs kept the host busy (load ~3.5; single timings swing by up to 2x, the medians by ~10%
+jobs kept the host busy (load ~3; single timings swing by up to 2x, the medians by ~10-20%
 between runs), 2026-12-05:
 
     method             MB     1 row ms  GB/s   8 rows ms  GB/s   32 rows ms  GB/s
-    q4g32 float xf32    84.0     5.23   16.1     25.03     3.4      89.23     0.9
-    q4g32 int8  xf32    84.0     4.47   18.8     11.08     7.6      37.00     2.3
-    q4g32 float xbf16   84.0     5.13   16.4     24.95     3.4      89.08     0.9
-    q4g32 int8  xbf16   84.0     4.47   18.8     11.05     7.6      37.34     2.3
-    q8g32 float xf32   142.9     7.64   18.7     29.17     4.9      93.58     1.5
-    q8g32 int8  xf32   142.9     8.09   17.7     12.94    11.0      39.13     3.7
-    q8g32 float xbf16  142.9     7.66   18.7     29.11     4.9      93.66     1.5
-    q8g32 int8  xbf16  142.9     8.03   17.8     13.35    10.7      41.35     3.5
-    f32 panels         537.9    25.01   21.5     35.69    15.1     100.09     5.4
-    bf16 pairs         269.0    12.81   21.0     17.86    15.1      49.44     5.4
+    q4g32 float xf32    84.0     5.20   16.2     23.64     3.6      87.69     1.0
+    q4g32 int8  xf32    84.0     3.90   21.6     10.16     8.3      36.12     2.3
+    q4g32 float xbf16   84.0     5.09   16.5     23.68     3.5      87.98     1.0
+    q4g32 int8  xbf16   84.0     4.09   20.5     10.11     8.3      36.30     2.3
+    q8g32 float xf32   142.9     7.53   19.0     28.08     5.1      92.90     1.5
+    q8g32 int8  xf32   142.9     7.84   18.2     12.21    11.7      38.34     3.7
+    q8g32 float xbf16  142.9     7.58   18.8     27.94     5.1      92.32     1.5
+    q8g32 int8  xbf16  142.9     7.58   18.9     12.06    11.8      38.93     3.7
+    f32 panels         537.9    26.46   20.3     38.45    14.0     101.75     5.3
+    bf16 pairs         269.0    14.03   19.2     19.82    13.6      51.05     5.3
 
-At one row every method streams its bytes at 16-22 GB/s, so time follows bytes: 4-bit weights
-are 2.9x faster than bfloat16 pairs and 5.6x than float32. From 8 rows the float path is bound
-by its FMAs (16 multiply-adds an instruction, as the float32 panels); int8 activations
-(vpdpbusd: 64) are 2.3-2.4x faster than it, 1.6x / 1.3x faster than bfloat16 pairs at 8 / 32
-rows.
+At one row the weights stream at 18-22 GB/s, what the float kernels get, so time follows
+bytes: 4-bit weights with int8 activations are 3.6x faster than bfloat16 pairs and 6.8x than
+float32 panels; the 4-bit float path is bound by its unpacking and FMAs there (16 GB/s; 1.2-1.5x
+slower than int8 across runs). From 8 rows the float path is bound by its FMAs (16
+multiply-adds an instruction, as the float32 panels); int8 activations (vpdpbusd: 64) are
+2.3-2.4x faster than it, and 2.0x / 1.4x faster than bfloat16 pairs at 8 / 32 rows (4 bits).
 
     .venv/bin/python -m bench.kernels_quant [--rounds 7] [--out bench/results/kernels_quant.json]
 """

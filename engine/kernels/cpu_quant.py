@@ -20,8 +20,8 @@ from engine.quant.weight import QuantizedWeight
 PANEL = 16  # output columns per panel (cpu_quant.c's QP)
 # int8 activations (AVX512-VNNI) from this many rows, where the kernels have them: as fast as the
 # float path or faster at every row count measured (bench/kernels_quant.py, SmolLM2's matrices,
-# one thread: 4 bits 1.17x at 1 row, 8 bits the same there, both memory-bound; 2.3x at 8 rows
-# and 2.4x at 32), and a row's result does not depend on the rows beside it (exact integer
+# one thread: 4 bits 1.2-1.5x at 1 row, 8 bits the same there, both memory-bound; 2.3x at 8
+# rows and 2.4x at 32), and a row's result does not depend on the rows beside it (exact integer
 # sums, the same float steps per row), which the float path's row-count-dependent summation
 # order does not give. Their error is the activations' rounding (cpu_quant.c's header), as
 # llama.cpp's Q8 activations have it; the float path is exact to rounding (int8_activations=False).
