@@ -26,7 +26,8 @@
  *   and multiplied into the rows of x with FMAs, a group summed apart and then scaled:
  *   out += scale * sum_k x[k] q[k] + min * sum_k x[k]. A value masked in place is q * 2^s (s
  *   its bit offset in the lane), exact in float32, so x is read pre-scaled by 2^-s (exact
- *   too) and the products are x[k] q[k] exactly: the results differ from the dequantized
+ *   too, but for |x| < 2^-102, whose products are below any output's rounding) and the
+ *   products are x[k] q[k] exactly: the results differ from the dequantized
  *   matrix's float32 product only in rounding and summation order. For 8 bits the offset is
  *   the same for every k (each byte is moved to the lane's top, its sign bit flipped back) and
  *   2^-24 goes into the scale instead. GCC's vector extensions: AVX-512, AVX2 or SSE, what
@@ -158,8 +159,7 @@ static void store_rows(const v16f *total, int rows, float *out, int64_t N, int64
 
 /* rows (a constant after inlining) rows of prepared x times one panel: 16 columns of out. xs:
  * the rows' x, scaled per k as `nibble` needs (4 bits); xsum: their per-group sums (4 bits).
- * With one or two rows, k steps alternate between accumulators so that several chains of
- * dependent FMAs are in flight. */
+ * With fewer rows than CHAINS, k steps alternate between `split` group sums a row. */
 ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xsum, int64_t K,
                               int64_t ng, const uint8_t *panel, const int bits, int64_t G,
                               float *restrict out, int64_t N, int64_t ncols, const float *bias,
@@ -261,7 +261,7 @@ static void prepare_float(const void *x, int dtype, int64_t rows, int64_t K, int
 #define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r)
 #define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r)
 
-/* A row block's last n < MR rows as one call of ROWS(r) with r a constant (one unrolled copy
+/* A row block's last n < IMR rows as one call of ROWS(r) with r a constant (one unrolled copy
  * of the kernel per row count). */
 #define LAST_ROWS_8(n, ROWS)                                                        \
     switch (n) {                                                                    \
