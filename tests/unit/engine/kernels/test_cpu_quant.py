@@ -13,6 +13,8 @@ product.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -25,6 +27,16 @@ needs_int8 = pytest.mark.skipif(
     reason="the kernels have no AVX512-VNNI here",
 )
 N, K = 37, 256  # N: two full panels and a partial one
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One thread (kernel and torch) unless a test asks for more: on a host whose cores other
+    jobs share, a team of two waits on the busy one (1.7 s for this file against 9-25 s)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def random_weight(bits: int, group_size: int, n: int = N, k: int = K) -> QuantizedWeight:
@@ -145,18 +157,13 @@ def test_threads_split_panels_without_changing_results() -> None:
     w = random_weight(8, 32, n=300, k=512)
     packed = cpu_quant.pack_quantized(w)
     x = torch.randn(5, 512)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = [cpu_quant.quant_linear(x, packed, int8_activations=False)]
-        if cpu_quant.int8_available():
-            one.append(cpu_quant.quant_linear(x, packed, int8_activations=True))
-        torch.set_num_threads(2)
-        two = [cpu_quant.quant_linear(x, packed, int8_activations=False)]
-        if cpu_quant.int8_available():
-            two.append(cpu_quant.quant_linear(x, packed, int8_activations=True))
-    finally:
-        torch.set_num_threads(previous)
+    one = [cpu_quant.quant_linear(x, packed, int8_activations=False)]
+    if cpu_quant.int8_available():
+        one.append(cpu_quant.quant_linear(x, packed, int8_activations=True))
+    torch.set_num_threads(2)  # the fixture restores it
+    two = [cpu_quant.quant_linear(x, packed, int8_activations=False)]
+    if cpu_quant.int8_available():
+        two.append(cpu_quant.quant_linear(x, packed, int8_activations=True))
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
