@@ -2,7 +2,8 @@
 prefill, with sliding windows, soft caps and attention sinks) and KV stores, RMSNorm (Llama's or
 Gemma's rounding, with its residual add, or per head in place for q/k norms), rotary embedding
 (full or partial), the MLP's SiLU- or GELU-and-product; the linear layers' panel matmul
-(cpu_linear.c, see engine/linear.py); a MoE layer's experts grouped by expert (cpu_moe.c); and
+(cpu_linear.c, see engine/linear.py) and its weight-only quantized form (cpu_quant.c, called by
+cpu_quant.py); a MoE layer's experts grouped by expert (cpu_moe.c); and
 a whole decode forward pass in one call (cpu_decode_step.c, its MoE layers in
 cpu_decode_moe.c, their top-k in torch.topk's order in cpu_topk.cpp: the one C++ source, built
 by the same compiler driver, which picks the language by the extension; its structures and call
