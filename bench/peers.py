@@ -180,7 +180,8 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
                 headers: dict[str, str] | None = None) -> dict:  # fmt: skip
     """`vllm bench serve` against one server at one concurrency: its result JSON. `extra` goes
     into every request's body and `headers` into its headers; `model_dir` is only the
-    tokenizer's."""
+    tokenizer's. `streamed_tokens`: the streamed chunks after each request's first, summed
+    (one a token, where a server streams a token a chunk and closes with an empty one)."""
     result = workdir / f"result-{time.time_ns()}.json"
     num_prompts = max(4, 2 * concurrency)
     command = [
@@ -191,7 +192,7 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "--random-range-ratio", json.dumps({"input": INPUT_RANGE, "output": 0.0}),
         "--ignore-eos", "--temperature", "0", "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
-        "--save-result", "--result-filename", str(result),
+        "--save-result", "--save-detailed", "--result-filename", str(result),
     ]  # fmt: skip
     if extra:
         command += ["--extra-body", json.dumps(extra)]
@@ -210,6 +211,7 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "output_tokens_per_request": raw["total_output_tokens"] / max(1, raw["completed"]),
         "duration_s": raw["duration"],
         "failed": raw.get("failed", num_prompts - raw["completed"]),
+        "streamed_tokens": sum(len(gaps) for gaps in raw["itls"]),
     }
 
 
@@ -523,7 +525,7 @@ def main() -> None:
     result: dict = {
         "host": {**_earlier(args.out, "host"), **host},
         "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
-                     "load_generator": "vllm bench serve", "repeats": args.repeats},
+                     "load_generator": "vllm bench serve"},  # repeats: per model
         "models": _earlier(args.out, "models"),
         "profiles": _earlier(args.out, "profiles"),
     }  # fmt: skip
@@ -579,8 +581,7 @@ def run_target(
                         seed=1000 * repeat + c, workdir=workdir,
                         extra=request_extra(system, target), headers=request_headers(system),
                     )  # fmt: skip
-                    if counted is not None:
-                        figures = recounted(figures, _tokens_generated(running) - counted)
+                    figures = _recount(system, figures, counted, running)
                     runs[system][c].append(figures)
                     print(f"[peers]   {c} clients: {figures}", flush=True)
             finally:
@@ -588,8 +589,23 @@ def run_target(
     return runs
 
 
-def _tokens_generated(running: VllmServer | LlamaCppServer | Cluster) -> int | None:
+Running = VllmServer | LlamaCppServer | Cluster
+
+
+def _tokens_generated(running: Running) -> int | None:
     return running.tokens_generated() if isinstance(running, LlamaCppServer) else None
+
+
+def _recount(system: str, figures: dict, counted_before: int | None, running: Running) -> dict:
+    """The load generator counts a stream's tokens from its `usage` chunk, or else by
+    re-tokenizing its text (fewer); llama-server counts its own (/metrics), llama_cpp.server
+    streams no usage but a token a chunk, closed by an empty one (so its chunks count)."""
+    counted_after = _tokens_generated(running)
+    if counted_before is not None and counted_after is not None:
+        return recounted(figures, counted_after - counted_before)
+    if system == "llamacpp-python":
+        return recounted(figures, figures["streamed_tokens"])
+    return figures
 
 
 def recounted(figures: dict, tokens: int) -> dict:
