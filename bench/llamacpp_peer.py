@@ -177,11 +177,21 @@ def llama_server_command(binary: Path, gguf: Path, model: str, port: int) -> lis
     ]  # fmt: skip
 
 
+# llama_cpp.server answers 400 to a request whose X-Request-ID is not a UUID (starlette-context's
+# check; the id is only echoed back), and `vllm bench serve` sends "<prefix><n>": the check is
+# turned off, the server otherwise run as `python -m llama_cpp.server` runs it.
+LLAMA_CPP_PYTHON_LAUNCHER = (
+    "import runpy, starlette_context.plugins.base as base; "
+    "base.PluginUUIDBase.validate_uuid = lambda self, value: None; "
+    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)"
+)
+
+
 def llama_cpp_python_command(python: Path, gguf: Path, model: str, port: int) -> list[str]:
     """llama_cpp.server with one context of SLOT_CONTEXT tokens (it runs one request at a time),
     the running request left to finish when another arrives."""
     return [
-        "taskset", "-c", str(COMPUTE_CORE), str(python), "-m", "llama_cpp.server",
+        "taskset", "-c", str(COMPUTE_CORE), str(python), "-c", LLAMA_CPP_PYTHON_LAUNCHER,
         "--model", str(gguf), "--model_alias", model, "--host", "127.0.0.1", "--port", str(port),
         "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(SLOT_CONTEXT),
         "--n_batch", str(BATCH_TOKENS), "--n_ubatch", str(BATCH_TOKENS),
