@@ -196,6 +196,10 @@ def llama_cpp_python_command(python: Path, gguf: Path, model: str, port: int) ->
         "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(SLOT_CONTEXT),
         "--n_batch", str(BATCH_TOKENS), "--n_ubatch", str(BATCH_TOKENS),
         "--interrupt_requests", "False",
+        # its SSE pings (every 15 s, to a request waiting for the lock) are separated by
+        # "\r\n", its events by "\n"; vllm bench serve's parser (events split at "\n\n")
+        # then finds no event in such a stream and fails it ("never received a valid chunk")
+        "--disable_ping_events", "True",
     ]  # fmt: skip
 
 

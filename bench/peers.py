@@ -584,6 +584,9 @@ def run_target(
                     figures = _recount(system, figures, counted, running)
                     runs[system][c].append(figures)
                     print(f"[peers]   {c} clients: {figures}", flush=True)
+                    if figures["failed"]:
+                        print(f"[peers]   {system}: {figures['failed']} requests FAILED; "
+                              "its figures count only the others", flush=True)  # fmt: skip
             finally:
                 running.stop()
     return runs
