@@ -18,6 +18,7 @@ from bench.llamacpp_peer import (
     LlamaCppServer,
     extra_body,
     llama_server_command,
+    request_headers,
 )
 from bench.peers import (
     StepBytes,
@@ -163,3 +164,26 @@ def test_a_servers_own_token_count_replaces_the_load_generators() -> None:
     assert fixed["output_tokens_per_s"] == 64.0
     assert fixed["output_tokens_per_request"] == 128.0
     assert fixed["ttft_p50_s"] == 0.5
+
+
+@pytest.mark.long
+@pytest.mark.skipif(
+    not (LLAMACPP_VENV / "lib").exists()
+    or not any(LLAMACPP_VENV.glob("lib/python*/site-packages/llama_cpp/server/app.py")),
+    reason="llama-cpp-python[server] is not built here (bench/peers.py --peers llamacpp-python)",
+)
+def test_llama_cpp_python_takes_the_load_generators_request_ids_and_ignores_eos(
+    tmp_path: Path,
+) -> None:
+    install = LlamaCppInstall(LLAMACPP_VENV / "bin/llama-server", LLAMACPP_VENV / "bin/python")
+    server = LlamaCppServer(install, "llamacpp-python", SMOLLM2_Q4, gguf_path(), tmp_path)
+    try:
+        body = {"model": SMOLLM2_Q4, "prompt": "Hello", "max_tokens": 40, "temperature": 0,
+                **(extra_body("llamacpp-python", GGUF_MODELS[SMOLLM2_Q4]) or {})}  # fmt: skip
+        headers = {"x-request-id": "benchmark-serving0"}  # vllm bench serve's, not a UUID
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    finally:
+        server.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 40
+    assert request_headers("llamacpp-python") is None
