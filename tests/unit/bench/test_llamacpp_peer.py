@@ -80,11 +80,9 @@ def test_a_moe_gguf_splits_experts_and_leaves_an_untied_embedding_out(tmp_path: 
 
 
 def _target(gguf: bool) -> Target:
-    model = SMOLLM2_Q4 if gguf else "builtin:smollm2-135m"
-    return Target(
-        model, "q4_1" if gguf else "float32", Path("/unused"), "builtin:smollm2-135m", "float32",
-        GGUF_MODELS[SMOLLM2_Q4] if gguf else None,
-    )  # fmt: skip
+    if gguf:
+        return Target(SMOLLM2_Q4, "q4_1", Path("/unused"), "float32", GGUF_MODELS[SMOLLM2_Q4])
+    return Target("builtin:smollm2-135m", "float32", Path("/unused"), "float32")
 
 
 def test_llama_cpp_serves_gguf_models_and_vllm_checkpoints_the_clusters_both() -> None:
@@ -187,3 +185,13 @@ def test_llama_cpp_python_takes_the_load_generators_request_ids_and_ignores_eos(
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 40
     assert request_headers("llamacpp-python") is None
+
+
+def test_a_gguf_builtins_directory_holds_the_file_llama_cpp_serves(tmp_path: Path) -> None:
+    from bench.llamacpp_peer import gguf_file
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="0 .gguf files"):
+        gguf_file(tmp_path)
+    (tmp_path / "model.q8_0.gguf").write_bytes(b"GGUF")
+    assert gguf_file(tmp_path) == tmp_path / "model.q8_0.gguf"
