@@ -53,12 +53,10 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     """config.json read by its architecture's module; one clear line for anything unsupported."""
     raw = read_config_json(model_dir)
     arch = architecture(str(raw.get("model_type", "")), f"{model_dir}: ")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ValueError(
-            f"{model_dir}: quantized checkpoints ({method}) are not supported yet; "
-            "serve an unquantized (float32 / bfloat16 / float16) checkpoint"
-        )
+    if raw.get("quantization_config"):  # read by engine/formats/hf_quant.py, or refused here
+        from engine.formats.hf_quant import check_supported
+
+        check_supported(raw["quantization_config"], f"{model_dir}: ")
     return arch.read_config(model_dir, language_model_config(raw))
 
 

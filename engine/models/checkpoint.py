@@ -23,11 +23,18 @@ State = dict[str, torch.Tensor | QuantizedWeight]
 
 def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> State:
     """The weights in whichever format the directory holds them: one GGUF file (its quantized
-    matrices kept as they are stored: engine/formats/gguf.py), else safetensors."""
+    matrices kept as they are stored: engine/formats/gguf.py), else safetensors, quantized
+    where config.json's quantization_config says so (engine/formats/hf_quant.py)."""
     ggufs = sorted(model_dir.glob("*.gguf"))
     if len(ggufs) > 1:
         raise ValueError(f"{model_dir}: {len(ggufs)} GGUF files; keep the one to serve")
     if not ggufs:
+        config_json = model_dir / "config.json"
+        config = json.loads(config_json.read_text()) if config_json.is_file() else {}
+        if config.get("quantization_config"):
+            from engine.formats.hf_quant import read_quantized
+
+            return read_quantized(model_dir, config, dtype)
         return read_safetensors(model_dir, dtype)
     from engine.formats.gguf import load_gguf
 
@@ -36,10 +43,20 @@ def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> State:
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:
-    """The weights: the shards model.safetensors.index.json names, else every *.safetensors
-    (Mistral's repos keep a second copy in their own names, consolidated.safetensors, beside
-    the indexed shards)."""
+    """The weights of every shard (safetensors_files), in `dtype`."""
     state: State = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" not in name:  # old Llama checkpoints store inv_freq
+                    state[name] = f.get_tensor(name).to(dtype)
+    return state
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards model.safetensors.index.json names, else every *.safetensors (Mistral's
+    repos keep a second copy in their own names, consolidated.safetensors, beside the indexed
+    shards)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
@@ -49,12 +66,7 @@ def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:
                  if not f.name.startswith("consolidated")]  # fmt: skip
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb" not in name:  # old Llama checkpoints store inv_freq
-                    state[name] = f.get_tensor(name).to(dtype)
-    return state
+    return files
 
 
 def stack(state: State, parts: tuple[str, ...], fused: str) -> None:
