@@ -103,7 +103,11 @@ def stack_experts(
         layer = pattern.match(name).group(1)  # type: ignore[union-attr]
 
         def take(e: int, part: str, layer: str = layer) -> torch.Tensor:
-            return state.pop(f"{layer}.experts.{e}.{part}.weight")
+            weight = state.pop(f"{layer}.experts.{e}.{part}.weight")
+            if isinstance(weight, QuantizedWeight):  # the experts' kernels take float weights
+                raise ValueError(f"{layer}.experts: quantized experts are not supported yet "
+                                 "(quantized dense linear layers are)")  # fmt: skip
+            return weight
 
         state[f"{layer}.gate_up"] = torch.stack(
             [torch.cat([take(e, gate), take(e, up)]) for e in range(num_experts)]

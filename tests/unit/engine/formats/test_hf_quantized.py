@@ -281,3 +281,16 @@ def test_8_bit_zero_points_that_leave_int8_are_refused(
     quantized.tensors[name] = torch.zeros_like(quantized.tensors[name])  # zero 0: q up to 255
     with pytest.raises(ValueError, match="o_proj: 8-bit weights whose zero points"):
         read_back(source, tmp_path, quantized)
+
+
+def test_quantized_experts_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A MoE file whose experts are quantized (the engine's expert kernels take float weights):
+    one line at load, not a failure inside torch.cat."""
+    from engine.builtin_build import ensure_builtin
+
+    moe = ensure_builtin("builtin:tiny-qwen3-moe")
+    quantized = compressed_tensors_checkpoint(source_state(moe), 4, True, "group", 32)
+    path = write_checkpoint(moe, tmp_path, quantized.tensors, quantized.qconfig)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: quantized experts") as refused:
+        LLM(str(path), num_blocks=64)
+    assert "\n" not in str(refused.value)
