@@ -167,7 +167,7 @@ def _naive(module: str, parts: dict[str, torch.Tensor], scheme: WeightScheme) ->
 def _per_row(scales: torch.Tensor, n: int) -> torch.Tensor:
     """(N, groups) scales: a `tensor` strategy's single scale repeated on every row."""
     if scales.numel() == 1:
-        return scales.reshape(1, 1).expand(n, 1)
+        return scales.reshape(1, 1).expand(n, 1).contiguous()
     return scales.reshape(n, -1) if scales.dim() == 1 else scales
 
 
@@ -183,8 +183,9 @@ def _convert(
     if scheme.strategy == "group" and scales.shape[-1] * (scheme.group_size or 0) != k:
         raise ValueError(f"{module}: scales {tuple(scales.shape)} are not groups of "
                          f"{scheme.group_size} of K={k}")  # fmt: skip
-    if zeros is not None:
-        zeros = zeros.reshape(scales.shape[0] if zeros.numel() > 1 else 1, -1).expand_as(scales)
+    if zeros is not None:  # (N, groups) as the scales, or the `tensor` strategy's one zero
+        zeros = zeros.reshape(1, 1) if zeros.numel() == 1 else zeros.reshape(n, -1)
+        zeros = zeros.expand_as(scales)
     if not identity_groups(g_idx, k, k // scales.shape[-1]):
         raise ValueError(f"{module}: act-order groups (weight_g_idx) other than consecutive "
                          "columns are not supported")  # fmt: skip
