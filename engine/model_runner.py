@@ -44,6 +44,8 @@ class ModelRunner:
         self.kv_manager = kv_manager
         self.backend = backend
         self.device = device
+        # LongRoPE picks its table by each sequence's length (layers.RotaryEmbedding)
+        self.needs_rope_lens = any(r.long_offset for r in model.rotaries)
 
     def run(
         self, out: SchedulerOutput
@@ -64,9 +66,12 @@ class ModelRunner:
         total_lens = torch.tensor(
             [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=torch.int32
         )
-        rope_lens = torch.tensor(
-            [max(int(n), c.seq.num_prompt_tokens) for n, c in zip(total_lens, chunks, strict=True)]
-        )  # longrope's choice: a chunked prompt's early chunks as its whole length
+        rope_lens = None
+        if self.needs_rope_lens:  # a chunked prompt's early chunks as its whole length
+            rope_lens = torch.tensor([
+                max(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
+                for c in chunks
+            ])  # fmt: skip
         q_lens = torch.tensor([c.num_new_tokens for c in prefills], dtype=torch.int32)
         cu_seqlens = torch.zeros(len(prefills) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
@@ -80,7 +85,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._to(cu_seqlens),
             prefill_context_lens=self._to(total_lens[nd:]),
             backend=self.backend,
-            rope_seq_lens=self._to(rope_lens[seq_index]),
+            rope_seq_lens=None if rope_lens is None else self._to(rope_lens[seq_index]),
         )
         hidden = self.model(
             self._to(input_ids), self._to(positions), self.kv_cache.layers, meta

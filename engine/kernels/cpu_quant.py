@@ -10,6 +10,7 @@ themselves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +90,10 @@ def _halves(x: torch.Tensor, padded_n: int, name: str) -> torch.Tensor:
     return halves.view(torch.uint8)
 
 
+@functools.cache
 def int8_available() -> bool:
-    """Whether the kernels were built with AVX512-VNNI (the int8-activation path)."""
+    """Whether the kernels were built with AVX512-VNNI (the int8-activation path); asked on
+    every call of a quantized matmul, so answered once."""
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.quant_int8_available())
 
