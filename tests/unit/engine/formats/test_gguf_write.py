@@ -1,5 +1,6 @@
 """engine/formats/gguf_write.py: a Q8_0 copy keeps its source's metadata and tensor list, holds
-gguf's own Q8_0 of the checkpoint (q / k in llama.cpp's row order), and reads back."""
+gguf's own Q8_0 of the checkpoint (q / k in llama.cpp's row order), and reads back; an F32 copy
+reads back as the checkpoint itself."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from gguf import GGUFReader, LlamaFileType
 from safetensors.numpy import save_file
 
 from engine.formats.gguf import load_gguf, read_config
-from engine.formats.gguf_write import write_q8_0
+from engine.formats.gguf_write import write_f32, write_q8_0
 from engine.quant.weight import QuantizedWeight
 from engine.smollm2_model import gguf_path
 from tests.unit.engine.formats.gguf_files import (
@@ -98,6 +99,21 @@ def test_the_q8_0_copy_keeps_the_metadata_and_holds_ggufs_q8_0(
             weight = weight.dequantize()
         reference = q8_0(state[name]) if state[name].ndim == 2 else state[name]
         assert torch.equal(weight, torch.from_numpy(reference)), name
+
+
+def test_the_f32_copy_reads_back_as_the_checkpoint(
+    q4_0_source: tuple[Path, Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    source, checkpoint, state = q4_0_source
+    out = write_f32(source, checkpoint, tmp_path / "f32.gguf")
+    reader = GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == LlamaFileType.ALL_F32
+    assert {t.tensor_type for t in reader.tensors} == {Q.F32}
+    assert read_config(out) == read_config(source)
+    tensors = load_gguf(out).tensors
+    assert tensors.keys() == state.keys()
+    for name, weight in tensors.items():
+        assert torch.equal(weight, torch.from_numpy(state[name])), name
 
 
 @pytest.mark.long  # about 15 s: quantizes and writes SmolLM2's 135M weights (138 MB)
