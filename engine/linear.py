@@ -31,6 +31,7 @@ tied LM head keeps the embedding's plain tensor for lookups and packs a copy).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -125,6 +126,25 @@ class Linear(nn.Linear):
         if self.layout == "panels":
             return self.weight, self.bias
         return self.decode_copy
+
+    def streamed_weight(self) -> torch.Tensor | None:
+        """The matrix a CPU decode step (or, for the LM head, `forward`) streams from memory,
+        where it is one of this project's own layouts (engine/weight_arena.py moves it)."""
+        if isinstance(self.packed, cpu_quant.PackedQuant):
+            return self.packed.data
+        if self.layout == "panels":
+            return self.weight
+        return None if self.decode_copy is None else self.decode_copy[0]
+
+    def replace_streamed_weight(self, moved: torch.Tensor) -> None:
+        """Read `moved`, a copy of streamed_weight() elsewhere in memory, from now on."""
+        if isinstance(self.packed, cpu_quant.PackedQuant):
+            self.packed = dataclasses.replace(self.packed, data=moved)
+        elif self.layout == "panels":
+            self.weight = moved  # a buffer (pack registered it so): reassigned in place
+        else:
+            assert self.decode_copy is not None
+            self.decode_copy = (moved, self.decode_copy[1])
 
     def quant_spec(self) -> tuple[int, int]:
         """(bits, group size) of a matrix cpu_quant.c runs; (0, 0) for a float one."""

@@ -37,6 +37,7 @@ from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.thinking_budget import ThinkingTracker
+from engine.weight_arena import place_streamed_weights
 
 
 @dataclass(slots=True)
@@ -106,12 +107,14 @@ class LLMEngine:
             self.model_config,
             config.num_blocks,
             config.block_size,
-            config.torch_dtype,
+            config.kv_torch_dtype,
             config.device,
         )
         # decode-only steps as one C call (models/cpu_decode.py); where it cannot run, its copy goes
         if not (cpu_kernels.supports(self.kv_cache.layers[0][0]) and use_c_decode_step(self.model)):
             drop_decode_copies(self.model)
+        if config.device == "cpu":
+            place_streamed_weights(self.model)  # one huge-page stream in step order
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
