@@ -45,9 +45,13 @@
  * sum x q = sum x (q + 128) - 128 sum x.
  *
  * Rows go in blocks of QROW_BLOCK (their prepared copies in the caller's scratch, from
- * quant_linear_scratch); threads split the panels (OpenMP, as panel_linear). No software
- * prefetch: 0.5 to 4 KB ahead measured the same as none, within this host's noise (the weights
- * are one contiguous stream, which the hardware prefetcher follows). A decode step
+ * quant_linear_scratch); threads split the panels (OpenMP, as panel_linear). Each block is
+ * prefetched into L2 PREFETCH_AHEAD bytes before it is read: the weights are one stream (in a
+ * decode step, one stream across matrices: engine/weight_arena.py), and the hardware prefetcher
+ * alone kept too few lines in flight once the core was busy with the arithmetic and other
+ * processes shared the memory system (SmolLM2's 4-bit matrices at one row, huge pages, a loaded
+ * 2-core host: 7.6-7.8 ms a pass without, 4.4-5.0 with 64 KB ahead, 5.8-6.8 with 1-16 KB; 8
+ * bits 11.2 -> 9.9). A decode step
  * (cpu_decode_step.c) can call quant_linear per matrix with its float32 staging buffer as `out`
  * and one scratch of quant_linear_scratch(max rows, max K, min G) bytes.
  */
@@ -87,6 +91,13 @@ static inline int64_t block_bytes(int bits, int64_t G) {
 }
 
 ALWAYS_INLINE v16f splat16(float s) { return (v16f){} + s; }
+
+/* A block's lines PREFETCH_AHEAD bytes ahead, into L2 (prefetcht2; a prefetch never faults, past
+ * the end of the weights included). */
+enum { PREFETCH_AHEAD = 64 << 10 };
+ALWAYS_INLINE void prefetch_ahead(const uint8_t *block, int64_t bbytes) {
+    for (int64_t at = 0; at < bbytes; at += 64) __builtin_prefetch(block + PREFETCH_AHEAD + at, 0, 1);
+}
 
 ALWAYS_INLINE v16u load16u(const uint8_t *p) {
     v16u v;
@@ -171,6 +182,7 @@ ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xs
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const float *xg = xs + g * G;
+        prefetch_ahead(block, bbytes);
         v16f acc[8][FMR];
         for (int s = 0; s < split; s++)
             for (int r = 0; r < rows; r++) acc[s][r] = splat16(0.0f);
@@ -327,6 +339,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const int8_t *xg = xq + g * G;
+        prefetch_ahead(block, bbytes);
 #define ZERO(r)                                                                         \
     acc##r = odd##r = _mm512_setzero_si512();                                           \
     __asm__("" : "+v"(acc##r), "+v"(odd##r));
