@@ -102,6 +102,8 @@ class KVCacheConfig(_Section, frozen=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
     num_blocks: Positive = 2048
     prefix_caching: bool = True
+    # auto: the model's dtype; bfloat16; int8 (a scale per row, engine/kernels/kv_quant.py)
+    dtype: Literal["auto", "bfloat16", "int8"] = "auto"
     events: KVEventsConfig = KVEventsConfig()
 
 

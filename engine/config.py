@@ -11,6 +11,8 @@ import torch
 from common.hub_models import cached_snapshot, parse_hub_id
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the KV cache's: auto = the model's dtype; int8 = 8-bit rows with a scale each (kv_quant.py)
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,7 @@ class EngineConfig:
     # None: the model's max_position_embeddings, capped at the cache (common.config.context_length)
     max_model_len: int | None = None
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "int8"] = "auto"  # as vLLM's --kv-cache-dtype
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -37,10 +40,27 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError("attention_backend must be auto, torch, cpu or triton")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, bfloat16 or int8, got {self.kv_cache_dtype!r}"
+            )
+        triton = self.attention_backend == "triton" or (
+            self.attention_backend == "auto" and self.device != "cpu"
+        )
+        if self.kv_cache_dtype == "int8" and triton:
+            raise ValueError(
+                "kv_cache_dtype int8 runs on the CPU attention paths only (cpu, torch): the "
+                "Triton kernels read float caches; use bfloat16 or auto on a GPU"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the model's for auto."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
 
     def model_dir(self) -> Path:
         """The model directory, building a builtin into its cache on first use; a hub id's

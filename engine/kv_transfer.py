@@ -95,7 +95,9 @@ class _Peer:
 class KVTransferAgent:
     """A worker's NIXL agent: registers its KV pool, reads peers' blocks, takes notifications."""
 
-    def __init__(self, name: str, pool: torch.Tensor, block_num_bytes: int) -> None:
+    def __init__(
+        self, name: str, pool: torch.Tensor, block_num_bytes: int, kv_layout: str = ""
+    ) -> None:
         num_blocks = pool.shape[0]
         if not pool.is_contiguous():
             raise ValueError("the KV pool must be one contiguous tensor")
@@ -108,6 +110,7 @@ class KVTransferAgent:
         self.pool = pool  # keeps the registered memory alive as long as the agent
         self.num_blocks = num_blocks
         self.block_num_bytes = block_num_bytes
+        self.kv_layout = kv_layout  # KVCache.layout: peers must match it, not just the byte count
         self.memory_kind = "VRAM" if pool.is_cuda else "DRAM"
         self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
         self._agent = _make_nixl_agent(name)
@@ -127,6 +130,7 @@ class KVTransferAgent:
             base_address=self.pool.data_ptr(),
             num_blocks=self.num_blocks,
             block_num_bytes=self.block_num_bytes,
+            kv_layout=self.kv_layout,
             device_id=self.device_id,
             memory_kind=self.memory_kind,
         )
@@ -141,6 +145,12 @@ class KVTransferAgent:
             raise KVTransferError(
                 f"peer {peer.agent_name!r} has {peer.block_num_bytes}-byte blocks, this worker"
                 f" {self.block_num_bytes}: model, dtype or block_size differ"
+            )
+        if peer.kv_layout != self.kv_layout:  # same bytes, other contents: read as garbage
+            raise KVTransferError(
+                f"peer {peer.agent_name!r} stores its KV as {peer.kv_layout or 'unstated'!r},"
+                f" this worker as {self.kv_layout or 'unstated'!r}: kv_cache.dtype, model or"
+                " block_size differ"
             )
         if peer.memory_kind not in ("DRAM", "VRAM"):
             raise KVTransferError(

@@ -36,6 +36,7 @@ def engine_config(
         block_size=config.kv_cache.block_size,
         num_blocks=config.kv_cache.num_blocks,
         enable_prefix_caching=config.kv_cache.prefix_caching,
+        kv_cache_dtype=config.kv_cache.dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=config.max_model_len,
@@ -52,7 +53,9 @@ def build_engine(
     os.environ.update(ucx_environment(config.internal_host, config.port_range))
     engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
     kv_cache = engine.kv_cache
-    agent = KVTransferAgent(f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes)
+    agent = KVTransferAgent(
+        f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes, kv_cache.layout
+    )
     return engine, agent
 
 

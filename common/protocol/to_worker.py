@@ -22,6 +22,9 @@ class KVPool(msgspec.Struct, frozen=True, kw_only=True):
     block_num_bytes: int
     device_id: int = 0
     memory_kind: str = "DRAM"
+    # what a block holds (engine/kv_cache.py's KVCache.layout: KV dtype, layers, block size,
+    # heads, head size): a reader refuses a peer whose blocks it would read as something else
+    kv_layout: str = ""
 
 
 class Registered(_Message, tag="registered"):

@@ -76,7 +76,7 @@ class DecodeShape(ctypes.Structure):
             "block_stride", "max_blocks",
         )),
         ("eps", _f32), ("threads", _int), ("dtype", _int), ("pairs", _int), ("gemma", _int),
-        ("moe", MoeShape), ("quant_int8", _int),
+        ("moe", MoeShape), ("quant_int8", _int), ("kv_dtype", _int),
     ]  # fmt: skip
 
 

@@ -145,11 +145,11 @@ static int attention(const LayerAttention *A, const DecodeShape *s, const Buffer
     rope(k, row, M, s->num_kv_heads, d, A->rotary_dim, positions, A->cos, A->sin, s->dtype);
     for (int64_t t = 0; t < M; t++) {
         const char *kt = k + t * row * elem;
-        store_kv(kt, kt + kv_len * elem, A->k_cache, A->v_cache, in->slots + t, 1, kv_len, elem,
-                 s->block_size, s->block_stride);
+        store_kv(kt, kt + kv_len * elem, s->dtype, A->k_cache, A->v_cache, s->kv_dtype,
+                 in->slots + t, 1, s->num_kv_heads, d, s->block_size, s->block_stride);
         for (int64_t i = 0; i < q_len; i++) b->q32[t * q_len + i] = get(q, t * row + i, s->dtype);
     }
-    if (paged_decode(b->q32, A->k_cache, A->v_cache, s->dtype, in->block_tables,
+    if (paged_decode(b->q32, A->k_cache, A->v_cache, s->kv_dtype, in->block_tables,
                      in->context_lens, b->attn32, M, s->num_heads, s->num_kv_heads, d,
                      s->block_size, s->block_stride, s->max_blocks, A->scale, A->window,
                      A->soft_cap, A->sinks, s->threads) != 0)

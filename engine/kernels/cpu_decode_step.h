@@ -15,9 +15,9 @@ void rms_norm_heads(void *x, int64_t token_stride, int64_t tokens, int64_t heads
 void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
           int64_t rotary_dim, const int64_t *positions, const float *cos, const float *sin,
           int dtype);
-void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
-              const int64_t *slot_mapping, int64_t num_tokens, int64_t row_len,
-              int64_t elem_size, int64_t block_size, int64_t block_stride);
+void store_kv(const void *k, const void *v, int src_dtype, void *k_cache, void *v_cache,
+              int dtype, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+              int64_t d, int64_t block_size, int64_t block_stride);
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                  const int32_t *block_tables, const int32_t *context_lens, float *out,
                  int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
@@ -107,6 +107,7 @@ typedef struct {
     int gemma; /* every RMSNorm is Gemma's (1 + w) */
     MoeShape moe;
     int quant_int8; /* quantized matrices take int8 activations (cpu_quant.c's VNNI path) */
+    int kv_dtype;   /* the KV cache's: F32, BF16 or cpu_kernels.c's I8 (kv_quant.py's rows) */
 } DecodeShape;
 
 /* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a

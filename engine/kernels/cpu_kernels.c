@@ -20,9 +20,12 @@
  * (the layers lie between), and a core read such scattered 12 KB pieces at ~11 GB/s where it
  * streams 25; prefetching two chunks ahead into L2 is what moved it.
  *
- * Layout (engine/kv_cache.py): cache[block][slot][kv_head][d], blocks `block_stride` elements
+ * Layout (engine/kv_cache.py): cache[block][slot][kv_head][row], blocks `block_stride` elements
  * apart (the other layers of the pool lie between). Element types: float32, or bfloat16 read as
- * the high half of a float32. q and out are float32 (the caller converts).
+ * the high half of a float32, or int8 rows (I8, kernels/kv_quant.py): d int8 values and their
+ * float32 scale, d + 4 bytes, the scale taken out of the sums (a key's score is its scale times
+ * q . k_int8, a value's weight p_j times its scale). q and out are float32 (the caller
+ * converts).
  *
  * Built by cpu_kernels.py with the host's compiler; no Python or torch headers, so it builds in
  * about a second and is called through ctypes.
@@ -38,6 +41,37 @@
  * get one copy per dtype, whose loops vectorize (a run-time dtype keeps them scalar). */
 #define WITH_DTYPE(dtype, call, ...) \
     ((dtype) == F32 ? call(__VA_ARGS__, F32) : call(__VA_ARGS__, BF16))
+
+/* The KV cache's third element type: int8 rows of d values and a float32 scale (kv_quant.py). */
+enum { I8 = 2 };
+
+/* Elements (bytes for I8) from one cache row to the next, and the bytes of an element. */
+static inline int64_t row_pitch(int64_t d, int dtype) { return dtype == I8 ? d + 4 : d; }
+static inline int64_t kv_elem_bytes(int dtype) { return dtype == F32 ? 4 : dtype == BF16 ? 2 : 1; }
+
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+/* Eight values of a cache row from element `at`, as float32; for I8 before the row's scale. */
+static inline __attribute__((always_inline)) v8f load_kv8(const void *p, int64_t at,
+                                                          const int dtype) {
+    if (dtype != I8) return load8(p, at, dtype);
+    v8i8 b;
+    memcpy(&b, (const int8_t *)p + at, sizeof b);
+    return __builtin_convertvector(b, v8f);
+}
+
+/* The scale of the I8 row starting at byte `row` (1 for the other types: no scale). */
+static inline float row_scale(const void *p, int64_t row, int64_t d, const int dtype) {
+    if (dtype != I8) return 1.0f;
+    float scale;
+    memcpy(&scale, (const char *)p + row + d, sizeof scale);
+    return scale;
+}
+
+/* call(args..., dtype) for the cache's three types, each a constant (WITH_DTYPE's reason). */
+#define WITH_KV_DTYPE(dtype, call, ...)                                                        \
+    ((dtype) == F32 ? call(__VA_ARGS__, F32)                                                   \
+                    : (dtype) == BF16 ? call(__VA_ARGS__, BF16) : call(__VA_ARGS__, I8))
 
 /* The longest of the batch's context lengths: what each thread's scratch is sized for. */
 static int64_t longest_context(const int32_t *context_lens, int64_t batch) {
@@ -75,7 +109,7 @@ enum { AHEAD = 2 }; /* chunks of keys prefetched ahead: a block's first rows mis
  * `from`, where it exists. */
 static inline void prefetch_chunk(const void *cache, const int64_t *rows, int64_t from,
                                   int64_t n, int64_t row_len, int dtype) {
-    int64_t elem = dtype == F32 ? 4 : 2;
+    int64_t elem = kv_elem_bytes(dtype);
     for (int64_t j = from; j < n && j < from + KEYS; j++)
         for (int64_t b = 0; b < row_len * elem; b += 64)
             __builtin_prefetch((const char *)cache + rows[j] * elem + b, 0, 1);
@@ -113,12 +147,15 @@ static inline __attribute__((always_inline)) void score_chunk(
         v8f qc[HEADS_AT_ONCE];
         for (int g = 0; g < hb; g++) qc[g] = load8(q, (h0 + g) * d + c, F32);
         for (int j = 0; j < KEYS; j++) {
-            v8f k = load8(k_cache, rows[j] + at + c, dtype);
+            v8f k = load_kv8(k_cache, rows[j] + at + c, dtype);
             for (int g = 0; g < hb; g++) part[g][j] += qc[g] * k;
         }
     }
+    v8f scales = splat(scale);
+    if (dtype == I8)
+        for (int j = 0; j < KEYS; j++) scales[j] *= row_scale(k_cache, rows[j] + at, d, I8);
     for (int g = 0; g < hb; g++) {
-        v8f s = sum_lanes8(part[g]) * splat(scale);
+        v8f s = sum_lanes8(part[g]) * scales;
         memcpy(scores + (h0 + g) * stride, &s, sizeof s);
     }
 }
@@ -137,9 +174,10 @@ static inline __attribute__((always_inline)) void weigh_chunk(
                 acc[g][c / 8] = load8(out, (h0 + g) * d + c0 + c, F32);
         for (int64_t j = 0; j < m; j++) {
             v8f pj[HEADS_AT_ONCE];
-            for (int g = 0; g < hb; g++) pj[g] = splat(p[(h0 + g) * stride + j]);
+            float v_scale = row_scale(v_cache, rows[j] + at, d, dtype);
+            for (int g = 0; g < hb; g++) pj[g] = splat(p[(h0 + g) * stride + j] * v_scale);
             for (int64_t c = 0; c < width; c += 8) {
-                v8f v = load8(v_cache, rows[j] + at + c0 + c, dtype);
+                v8f v = load_kv8(v_cache, rows[j] + at + c0 + c, dtype);
                 for (int g = 0; g < hb; g++) acc[g][c / 8] += pj[g] * v;
             }
         }
@@ -170,18 +208,18 @@ static inline __attribute__((always_inline)) void attend_sequence(
     int64_t *restrict rows) {
     int64_t start = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - start, stride = (n + KEYS - 1) / KEYS * KEYS;
-    int64_t group = num_heads / num_kv_heads;
+    int64_t group = num_heads / num_kv_heads, pitch = row_pitch(d, dtype);
     /* Where each token's row lies, found once by walking the block table; a partial last chunk
      * reads the first token again (its lanes are never used) instead of branching. */
     for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; i++) {
-        rows[i] = (int64_t)table[block] * block_stride + slot * num_kv_heads * d;
+        rows[i] = (int64_t)table[block] * block_stride + slot * num_kv_heads * pitch;
         if (++slot == block_size) slot = 0, block++;
     }
     for (int64_t i = n; i < stride; i++) rows[i] = rows[0];
     for (int64_t i0 = 0; i0 < n; i0 += KEYS) {
-        prefetch_chunk(k_cache, rows, i0 + AHEAD * KEYS, n, num_kv_heads * d, dtype);
+        prefetch_chunk(k_cache, rows, i0 + AHEAD * KEYS, n, num_kv_heads * pitch, dtype);
         for (int64_t h = 0; h < num_heads;) {
-            int64_t at = (h / group) * d, left = (h / group + 1) * group - h;
+            int64_t at = (h / group) * pitch, left = (h / group + 1) * group - h;
 #define SCORE(hb)                                                                              \
     score_chunk(q, k_cache, dtype, rows + i0, at, h, hb, d, scale, scores + i0, stride);       \
     h += hb
@@ -194,10 +232,10 @@ static inline __attribute__((always_inline)) void attend_sequence(
     /* Each output row is accumulated over the tokens in order, as the reference sums them. */
     for (int64_t i = 0; i < num_heads * d; i++) out[i] = 0.0f;
     for (int64_t i0 = 0; i0 < n; i0 += KEYS) {
-        prefetch_chunk(v_cache, rows, i0 + AHEAD * KEYS, n, num_kv_heads * d, dtype);
+        prefetch_chunk(v_cache, rows, i0 + AHEAD * KEYS, n, num_kv_heads * pitch, dtype);
         int64_t m = n - i0 < KEYS ? n - i0 : KEYS;
         for (int64_t h = 0; h < num_heads;) {
-            int64_t at = (h / group) * d, left = (h / group + 1) * group - h;
+            int64_t at = (h / group) * pitch, left = (h / group + 1) * group - h;
 #define WEIGH(hb)                                                                              \
     weigh_chunk(scores + i0, stride, v_cache, dtype, rows + i0, m, at, h, hb, d, out);         \
     h += hb
@@ -223,11 +261,17 @@ static void attend_sequence_any(const float *q, const void *k_cache, const void 
             case 128: ATTEND(128, F32); break;
             default: ATTEND(d, F32);
         }
-    } else {
+    } else if (dtype == BF16) {
         switch (d) {
             case 64: ATTEND(64, BF16); break;
             case 128: ATTEND(128, BF16); break;
             default: ATTEND(d, BF16);
+        }
+    } else {
+        switch (d) {
+            case 64: ATTEND(64, I8); break;
+            case 128: ATTEND(128, I8); break;
+            default: ATTEND(d, I8);
         }
     }
 }
@@ -297,6 +341,7 @@ static inline __attribute__((always_inline)) void prefill_sequence(
     int64_t d, int64_t block_size, int64_t block_stride, float scale, int64_t window,
     float soft_cap, const float *sinks, float *scratch, const int dtype) {
     int64_t group = num_heads / num_kv_heads, first_pos = total - queries;
+    int64_t pitch = row_pitch(d, dtype);
     /* scratch key i is position base + i: with a window, the keys no new token sees are left */
     int64_t base = window_start(first_pos, window), n = total - base;
     int64_t padded = (n + 15) / 16 * 16, num_rows = queries * group;
@@ -305,10 +350,13 @@ static inline __attribute__((always_inline)) void prefill_sequence(
         for (int64_t i = 0; i < padded; i++) {
             int64_t pos = i < n ? base + i : base; /* past the end: zeros, read from anywhere */
             int64_t row = (int64_t)table[pos / block_size] * block_stride +
-                          ((pos % block_size) * num_kv_heads + kvh) * d;
+                          ((pos % block_size) * num_kv_heads + kvh) * pitch;
+            /* an I8 row's values times its scale: the tiles below multiply float32 */
+            v8f k_scale = splat(row_scale(k_cache, row, d, dtype));
+            v8f v_scale = splat(row_scale(v_cache, row, d, dtype));
             for (int64_t c = 0; c < d; c += 8) {
-                v8f k = i < n ? load8(k_cache, row + c, dtype) : splat(0.0f);
-                v8f v = i < n ? load8(v_cache, row + c, dtype) : splat(0.0f);
+                v8f k = i < n ? load_kv8(k_cache, row + c, dtype) * k_scale : splat(0.0f);
+                v8f v = i < n ? load_kv8(v_cache, row + c, dtype) * v_scale : splat(0.0f);
                 memcpy(values + i * d + c, &v, sizeof v);
                 for (int u = 0; u < 8; u++) keys_t[(c + u) * padded + i] = k[u];
             }
@@ -401,7 +449,7 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
             for (int64_t b = 0; b < batch; b++) {
                 int64_t start = cu_seqlens_q[b], queries = cu_seqlens_q[b + 1] - start;
                 if (queries == 0) continue;
-                WITH_DTYPE(dtype, prefill_sequence, q + start * num_heads * d, k_cache, v_cache,
+                WITH_KV_DTYPE(dtype, prefill_sequence, q + start * num_heads * d, k_cache, v_cache,
                            block_tables + b * max_blocks, context_lens[b], queries,
                            out + start * num_heads * d, num_heads, num_kv_heads, d, block_size,
                            block_stride, scale, window, soft_cap, sinks, scratch);
@@ -412,19 +460,43 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
     return failed ? -1 : 0;
 }
 
-/* Write k, v: (num_tokens, row_len) at slot_mapping (block * block_size + offset); negative
- * slots (padding) are skipped. row_len = num_kv_heads * d; elem_size: 4 or 2 bytes. */
-void store_kv(const void *k, const void *v, void *k_cache, void *v_cache,
-              const int64_t *slot_mapping, int64_t num_tokens, int64_t row_len,
-              int64_t elem_size, int64_t block_size, int64_t block_stride) {
-    int64_t row_bytes = row_len * elem_size;
+/* One row of d values (src_dtype, F32 or BF16) as the cache stores it (F32, BF16 or I8 with its
+ * scale: max |x| / 127, values rint(x / scale), kv_quant.quantize's arithmetic), at dst. */
+static void store_row(const void *src, int64_t at, int src_dtype, void *dst, int dtype,
+                      int64_t d) {
+    if (dtype == src_dtype) {
+        memcpy(dst, (const char *)src + at * kv_elem_bytes(dtype), d * kv_elem_bytes(dtype));
+    } else if (dtype != I8) {
+        for (int64_t c = 0; c < d; c++) put(dst, c, get(src, at + c, src_dtype), dtype);
+    } else {
+        float peak = 0.0f;
+        for (int64_t c = 0; c < d; c++) peak = fmaxf(peak, fabsf(get(src, at + c, src_dtype)));
+        float scale = peak / 127.0f;
+        for (int64_t c = 0; c < d; c++) {
+            float q = scale > 0.0f ? rintf(get(src, at + c, src_dtype) / scale) : 0.0f;
+            ((int8_t *)dst)[c] = (int8_t)fminf(fmaxf(q, -127.0f), 127.0f);
+        }
+        memcpy((char *)dst + d, &scale, sizeof scale);
+    }
+}
+
+/* Write k, v: (num_tokens, num_kv_heads * d) of src_dtype at slot_mapping (block * block_size +
+ * offset) into a cache of `dtype` (converted, or quantized for I8); negative slots (padding)
+ * are skipped. block_stride: in the cache's elements (bytes for I8). */
+void store_kv(const void *k, const void *v, int src_dtype, void *k_cache, void *v_cache,
+              int dtype, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+              int64_t d, int64_t block_size, int64_t block_stride) {
+    int64_t pitch = row_pitch(d, dtype), elem = kv_elem_bytes(dtype);
     for (int64_t i = 0; i < num_tokens; i++) {
         int64_t slot = slot_mapping[i];
         if (slot < 0) continue;
-        int64_t at = ((slot / block_size) * block_stride + (slot % block_size) * row_len) *
-                     elem_size;
-        memcpy((char *)k_cache + at, (const char *)k + i * row_bytes, row_bytes);
-        memcpy((char *)v_cache + at, (const char *)v + i * row_bytes, row_bytes);
+        int64_t first =
+            (slot / block_size) * block_stride + (slot % block_size) * num_kv_heads * pitch;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            int64_t at = (first + h * pitch) * elem, from = (i * num_kv_heads + h) * d;
+            store_row(k, from, src_dtype, (char *)k_cache + at, dtype, d);
+            store_row(v, from, src_dtype, (char *)v_cache + at, dtype, d);
+        }
     }
 }
 

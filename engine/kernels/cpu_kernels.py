@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from common.model_cache import CACHE_ROOT
+from engine.kernels.kv_quant import head_dim_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ FLAGS = (
 )  # fmt: skip
 LIBS = ("-lm",)  # after the source on the command line
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# the KV cache's element types: also cpu_kernels.c's I8, rows of int8 values and a scale
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2}
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # name: (result, arguments), as the C declares them
@@ -67,7 +70,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
         _int,
         [_p, _p, _p, _int, _p, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _p, _int],
     ),
-    "store_kv": (None, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]),
+    "store_kv": (None, [_p, _p, _int, _p, _p, _int, _p, *[_i64] * 5]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int, _int]),
     "rms_norm_heads": (None, [_p, _i64, _i64, _i64, _i64, _p, _f32, _int, _int]),
     "rope": (None, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _int]),
@@ -111,9 +114,16 @@ def runs(x: torch.Tensor) -> bool:
 
 
 def supports(cache: torch.Tensor) -> bool:
-    """The attention and store kernels read this cache: as `runs`, each block contiguous, and a
-    head size that is a multiple of 8 (the attention reads eight values at a time)."""
-    return runs(cache) and cache[0].is_contiguous() and cache.shape[-1] % 8 == 0
+    """The attention and store kernels read this cache: on the CPU, float32, bfloat16 or int8
+    rows (kv_quant.py), each block contiguous, and a head size that is a multiple of 8 (the
+    attention reads eight values at a time)."""
+    return (
+        cache.device.type == "cpu"
+        and cache.dtype in CACHE_DTYPE_CODES
+        and library() is not None
+        and cache[0].is_contiguous()
+        and head_dim_of(cache) % 8 == 0
+    )
 
 
 def paged_decode_attention(
@@ -139,7 +149,7 @@ def paged_decode_attention(
     out = torch.empty(batch, num_heads, head_dim)
     status = run(
         "paged_decode",
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
         head_dim, block_size, k_cache.stride(0), tables.shape[1], scale, sliding_window or 0,
         soft_cap or 0.0, address(sinks32), torch.get_num_threads(),
@@ -175,7 +185,7 @@ def paged_prefill_attention(
     out = torch.empty(num_tokens, num_heads, head_dim)
     status = run(
         "paged_prefill",
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
         tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0), tables.shape[1], scale,
         sliding_window or 0, soft_cap or 0.0, address(sinks32), torch.get_num_threads(),
@@ -205,15 +215,18 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as reference.store_kv_ref (negative slots skip)."""
+    """Same contract as reference.store_kv_ref (negative slots skip): k, v (num_tokens,
+    num_kv_heads, head_dim) converted to the cache's dtype, or quantized into its int8 rows."""
     lib = library()
     assert lib is not None and k_cache.stride() == v_cache.stride()
-    k, v = k.to(k_cache.dtype).contiguous(), v.to(k_cache.dtype).contiguous()
+    source = k.dtype if k.dtype in DTYPE_CODES else torch.float32  # float16: widened first
+    k, v = k.to(source).contiguous(), v.to(source).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     run(
         "store_kv",
-        k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        k.shape[0], k[0].numel(), k.element_size(), k_cache.shape[1], k_cache.stride(0),
+        k.data_ptr(), v.data_ptr(), DTYPE_CODES[source], k_cache.data_ptr(), v_cache.data_ptr(),
+        CACHE_DTYPE_CODES[k_cache.dtype], slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2],
+        k_cache.shape[1], k_cache.stride(0),
     )  # fmt: skip
 
 

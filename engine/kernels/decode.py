@@ -88,7 +88,10 @@ def attend_tile(
     """One online-softmax step over a key tile, scores in log2 units; returns (m, l, acc).
 
     A row that has seen no allowed key keeps m = -inf; m_safe makes its exp2 terms 0, not NaN.
+    A cache of another dtype than q (a bfloat16 KV cache under a float32 model) is widened.
     """
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = dot(q, tl.trans(k), UPCAST, PRECISION)  # (rows, BLOCK_N) fp32
     if HAS_SOFT_CAP:
         s = soft_cap * tanh(s * (scale / soft_cap)) * LOG2E

@@ -7,20 +7,26 @@ Cache layout, per layer (a view into the block-major pool, see engine/kv_cache.p
 
 A sequence's token at position p lives in block block_table[p // block_size], slot p % block_size.
 The attention functions expect the KV of the tokens being computed to be in the cache already
-(`store_kv_ref` writes it).
+(`store_kv_ref` writes it). A cache's dtype may differ from q's (kv_cache_dtype): bfloat16 is
+read widened to float32; an int8 cache's rows are head_dim int8 values and a float32 scale
+(kv_quant.py: the last dim is head_dim + 4), quantized when stored and dequantized when read.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.kernels import kv_quant
+
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Each sequence's first `max_len` cached tokens: (batch, max_len, num_kv_heads, head_dim)."""
+    """Each sequence's first `max_len` cached tokens: (batch, max_len, num_kv_heads, head_dim),
+    float32 for an int8 cache (dequantized), else the cache's dtype."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
     blocks = cache[block_tables[:, :num_blocks].long()]  # (batch, num_blocks, block_size, kvh, d)
-    return blocks.flatten(1, 2)[:, :max_len]
+    rows = blocks.flatten(1, 2)[:, :max_len]
+    return kv_quant.dequantize(rows) if cache.dtype == torch.int8 else rows
 
 
 def attend(
@@ -138,14 +144,16 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write k, v: (num_tokens, num_kv_heads, head_dim) into the cache views in place at
-    slot_mapping: (num_tokens,) = block_id * block_size + offset; negative slots (padding) skip."""
+    slot_mapping: (num_tokens,) = block_id * block_size + offset; negative slots (padding) skip.
+    Converted to the cache's dtype; quantized for an int8 cache."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache[slots // block_size, slots % block_size] = k  # index_put on the view writes the pool
-    v_cache[slots // block_size, slots % block_size] = v
+    at = (slots // block_size, slots % block_size)
+    k_cache[at] = kv_quant.to_cache(k, k_cache.dtype)  # index_put on the view writes the pool
+    v_cache[at] = kv_quant.to_cache(v, v_cache.dtype)
 
 
 def moe_experts_ref(

@@ -3,6 +3,8 @@
 A torch index_put on the strided per-layer view does the same (`store_kv_ref` in reference.py); the
 kernel exists so the GPU path writes K and V in one launch without materialising index tensors.
 A negative slot marks a padding token (a captured batch larger than the real one): skipped.
+K and V are converted to the cache's dtype (a bfloat16 cache under a float32 model:
+kv_cache_dtype), rounding to nearest even as torch does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
+def round_to_bfloat16(x):
+    """float32 to the nearest bfloat16 (ties to even), still float32: a GPU's cast rounds so, the
+    interpreter's truncates; after this both casts are exact."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -20,7 +31,7 @@ def store_kv_kernel(
     stride_kcb, stride_kct, stride_kch, stride_kcd,
     stride_vcb, stride_vct, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -38,6 +49,9 @@ def store_kv_kernel(
             v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
             mask=mask,
         )
+        if ROUND_BF16:
+            k = round_to_bfloat16(k)
+            v = round_to_bfloat16(v)
         k_dst = block * stride_kcb + offset * stride_kct
         v_dst = block * stride_vcb + offset * stride_vct
         tl.store(
@@ -69,5 +83,6 @@ def store_kv(
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_cache.shape[1], num_warps=1,
+        PAGE_SIZE=k_cache.shape[1],
+        ROUND_BF16=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16, num_warps=1,
     )  # fmt: skip

@@ -13,8 +13,9 @@ matrix multiply wants. On a CPU those copies are most of a decode step. Here:
 Soft caps and attention sinks (gpt-oss: one more logit per query head in each softmax, with no
 value) are applied to the scores between the two multiplies.
 
-Both compute in float32 like the reference; tests/unit/engine/kernels/test_kernels.py holds them
-to it.
+A bfloat16 or int8 cache (kv_cache_dtype) is widened or dequantized (kv_quant.py) as its
+blocks are gathered. Both compute in float32 like the reference;
+tests/unit/engine/kernels/test_kernels.py holds them to it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.kv_quant import as_float, head_dim_of
 from engine.kernels.reference import key_mask
 
 # K and V of one group of decode sequences: about what a CPU core's caches keep while the group's
@@ -49,7 +51,8 @@ def plan_decode(
 ) -> list[DecodeGroup]:
     """Sort the sequences by length and cut them into groups whose gathered K/V fit GROUP_BYTES:
     similar lengths pad little, and a group's keys are still in cache when they are multiplied."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    head_dim = head_dim_of(k_cache)
     token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V, in float32
     lens, order = torch.sort(context_lens.long())
     groups = []
@@ -110,9 +113,9 @@ def _attend_group(
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    kv_shape = (batch, group.padded_len, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, group.block_ids).view(kv_shape).float()
-    v = v_cache.index_select(0, group.block_ids).view(kv_shape).float()
+    kv_shape = (batch, group.padded_len, num_kv_heads, k_cache.shape[-1])
+    k = as_float(k_cache.index_select(0, group.block_ids).view(kv_shape))
+    v = as_float(v_cache.index_select(0, group.block_ids).view(kv_shape))
     group_size = num_heads // num_kv_heads
     qg = q.view(batch, num_kv_heads, group_size, head_dim).float()
     sink = None if sinks is None else sinks.float().view(num_kv_heads, 1, group_size, 1)
@@ -143,7 +146,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention_ref: q's shape."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, row = k_cache.shape[1:]
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for b, total in enumerate(lens):
@@ -152,8 +155,8 @@ def paged_prefill_attention(
             continue  # an empty chunk
         num_blocks = -(-total // block_size)
         ids = block_tables[b, :num_blocks]
-        k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
-        v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:total]
+        k = as_float(k_cache.index_select(0, ids).view(-1, num_kv_heads, row)[:total])
+        v = as_float(v_cache.index_select(0, ids).view(-1, num_kv_heads, row)[:total])
         query_pos = torch.arange(total - (end - start), total, device=q.device)
         allowed = key_mask(query_pos[None], context_lens[b : b + 1].long(), total, sliding_window)
         out[start:end] = _attend_chunk(q[start:end], k, v, allowed[0], scale, soft_cap, sinks)

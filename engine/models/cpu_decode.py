@@ -143,7 +143,7 @@ def _shape(model: CausalLM, k_cache: torch.Tensor) -> decode_abi.DecodeShape:
         hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=k_cache.shape[1],
         block_stride=k_cache.stride(0), eps=c.rms_norm_eps, pairs=model.c_decode_pairs,
-        gemma=model.model.norm.gemma,
+        gemma=model.model.norm.gemma, kv_dtype=cpu_kernels.CACHE_DTYPE_CODES[k_cache.dtype],
     )  # fmt: skip
     mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if mixtures:

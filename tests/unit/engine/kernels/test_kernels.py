@@ -407,6 +407,27 @@ def test_store_kv_writes_the_slots_of_the_pool_view(dtype: torch.dtype) -> None:
 
 
 @needs_kernels
+def test_a_bfloat16_kv_cache_under_float32_queries_matches_the_reference() -> None:
+    """kv_cache_dtype bfloat16 with a float32 model: the store rounds k and v to bfloat16 as the
+    reference does, and decode and prefill widen the cache to float32 (float32 maths, so the
+    float32 tolerance)."""
+    torch.manual_seed(8)
+    cache = PagedCache([40, 90], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 33], device=DEVICE)
+    k, v = (torch.randn(4, 2, 64, device=DEVICE) for _ in range(2))  # float32
+    expected = cache.pool.clone()
+    store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
+    store_kv.store_kv(k, v, cache.k, cache.v, slots)
+    assert torch.equal(cache.pool, expected)
+    q = 4 * torch.randn(2, 8, 64, device=DEVICE)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
+    assert_close(decode.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+    q, cu = _packed_queries([25, 7], 8, 64, torch.float32)
+    args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 0.125)
+    assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
+
+
+@needs_kernels
 def test_dispatch_forced_triton_matches_torch_end_to_end() -> None:
     """write_kv + prefill + decode through both backends give the same cache and outputs."""
     torch.manual_seed(7)
