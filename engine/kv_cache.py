@@ -15,8 +15,11 @@ float32 scale (kernels/kv_quant.py: row = head_dim + 4 bytes); otherwise row = h
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from engine.host_memory import huge_page_buffer
 from engine.kernels.kv_quant import row_width
 from engine.model_config import ModelConfig
 
@@ -27,10 +30,13 @@ class KVCache:
     ) -> None:
         self.block_size = block_size
         row = row_width(config.head_dim, dtype)
-        self.pool = torch.zeros(
-            num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, row,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+        shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, row)
+        if device == "cpu":  # huge pages: a layer's rows of a block lie a block's bytes apart
+            num_bytes = math.prod(shape) * dtype.itemsize
+            self.pool = huge_page_buffer(num_bytes).view(dtype).view(shape)
+            self.pool.zero_()  # committed now, as torch.zeros would: no page faults mid-step
+        else:
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(config.num_layers)]
         # what a peer's pool must equal for its blocks to be read as this one's (kv_transfer.py)
         self.layout = (

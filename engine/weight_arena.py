@@ -16,26 +16,12 @@ once, at load; the old tensors are freed.
 
 from __future__ import annotations
 
-import mmap
-
-import torch
 from torch import nn
 
+from engine.host_memory import huge_page_buffer
 from engine.linear import Linear
 
-HUGE_PAGE_BYTES = 2 << 20
 ALIGN_BYTES = 64  # each matrix starts on a cache line
-
-
-def huge_page_buffer(num_bytes: int) -> torch.Tensor:
-    """num_bytes of zeroed uint8 memory in a private mapping advised for huge pages (a plain
-    mapping where the platform has no madvise). The tensor keeps the mapping alive."""
-    size = max(HUGE_PAGE_BYTES, -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    mapping = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # before the first touch: the faults then take 2 MiB pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)[:num_bytes]
 
 
 def place_streamed_weights(model: nn.Module) -> int:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from engine.host_memory import huge_page_buffer
 from engine.kernels import cpu_kernels
 from engine.linear import Linear
-from engine.weight_arena import huge_page_buffer, place_streamed_weights
+from engine.weight_arena import place_streamed_weights
 from tests.unit.engine.quant.test_quantized_linear import random_q4
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
