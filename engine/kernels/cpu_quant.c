@@ -74,11 +74,21 @@ enum { QP = 16, QROW_BLOCK = 48 };
  * fewer rows, a row's k steps alternate between up to CHAINS / rows group sums, so that CHAINS
  * independent chains of FMAs hide their latency. */
 #ifdef __AVX512F__
-enum { FMR = 8, IMR = 8, CHAINS = 8 };
+enum { FMR = 8, CHAINS = 8 };
 #elif defined(__AVX2__)
-enum { FMR = 3, IMR = 1, CHAINS = 4 };
+enum { FMR = 3, CHAINS = 4 };
 #else
-enum { FMR = 2, IMR = 1, CHAINS = 2 };
+enum { FMR = 2, CHAINS = 2 };
+#endif
+
+/* The int8 path, where the ISA has it: on 512-bit vectors (vpdpbusd), else on 256-bit ones
+ * (vpmaddubsw and vpmaddwd, or AVX-VNNI's vpdpbusd); IMR rows share each weight load. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_ZMM 1
+enum { IMR = 8 };
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT8_YMM 1
+enum { IMR = 4 };
 #endif
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -273,15 +283,6 @@ static void prepare_float(const void *x, int dtype, int64_t rows, int64_t K, int
 #define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r)
 #define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r)
 
-/* A row block's last n < IMR rows as one call of ROWS(r) with r a constant (one unrolled copy
- * of the kernel per row count). */
-#define LAST_ROWS_8(n, ROWS)                                                        \
-    switch (n) {                                                                    \
-        case 7: ROWS(7); break; case 6: ROWS(6); break; case 5: ROWS(5); break;     \
-        case 4: ROWS(4); break; case 3: ROWS(3); break; case 2: ROWS(2); break;     \
-        case 1: ROWS(1); break;                                                     \
-    }
-
 /* Rows 0 .. rows - 1 of the prepared block times panel p, on the calling thread. */
 ALWAYS_INLINE void float_panel(const float *xs, const float *xsum, const uint8_t *packed,
                                const int bits, int64_t G, const float *bias, float *out,
@@ -309,9 +310,13 @@ ALWAYS_INLINE void float_panel(const float *xs, const float *xsum, const uint8_t
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(INT8_ZMM) || defined(INT8_YMM)
 int quant_int8_available(void) { return 1; }
+#else
+int quant_int8_available(void) { return 0; }
+#endif
 
+#ifdef INT8_ZMM
 /* Four int8 activations as one int32 in every lane. */
 ALWAYS_INLINE __m512i broadcast4(const int8_t *p) {
     int32_t four;
@@ -397,7 +402,165 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
 #undef SCALE
 #undef KEEP
 }
+#endif
 
+#ifdef INT8_YMM
+/* Four int8 activations as one int32 in every lane. */
+ALWAYS_INLINE __m256i broadcast4(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+
+/* acc's int32 lanes plus the products of their four bytes of u (unsigned) and x (signed):
+ * AVX-VNNI's vpdpbusd, or vpmaddubsw (pair sums, saturated to int16: the caller keeps them
+ * within range) widened and summed by vpmaddwd. */
+ALWAYS_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The int8 path on 256-bit vectors, int8_rows above in two halves: each 64-byte chunk is two
+ * 32-byte ones, columns 0-7 (a) and 8-15 (b), in the same layout. Without AVX-VNNI, vpmaddubsw
+ * multiplies: 4 bits, the low and high nibbles' pair sums (each at most 2 * 15 * 127) added in
+ * int16 before one vpmaddwd; 8 bits, whose offset values would saturate it (2 * 255 * 127),
+ * as llama.cpp does: the signed value q = byte ^ 0x80, |q| times x with q's sign (pair sums
+ * within 2 * 128 * 127), so that the sum is sum(xq q) itself, no offset to take off. The same
+ * integer sums as vpdpbusd's, the same float steps after: the same results as the 512-bit
+ * path, bit for bit. */
+#define EACH_ROW(X) X(0) X(1) X(2) X(3)
+ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx,
+                             const float *restrict dsum, const int32_t *restrict off, int64_t K,
+                             int64_t ng, const uint8_t *panel, const int bits, int64_t G,
+                             float *restrict out, int64_t N, int64_t ncols, const float *bias,
+                             const int rows) {
+    const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#ifdef __AVXVNNI__
+    const int chains = rows <= 2 ? 2 : 1; /* few rows: a second chain a row, for the latency */
+#else
+    const int chains = 1; /* a chain of vpaddd: one cycle a step */
+#endif
+#define DECLARE(r)                                                                      \
+    __m256 ta##r = _mm256_setzero_ps(), tb##r = _mm256_setzero_ps();                    \
+    __m256i a##r, b##r, a2##r, b2##r;
+    EACH_ROW(DECLARE)
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *block = panel + g * bbytes;
+        const int8_t *xg = xq + g * G;
+        prefetch_ahead(block, bbytes);
+#define ZERO(r)                                                                         \
+    a##r = b##r = a2##r = b2##r = _mm256_setzero_si256();                               \
+    __asm__("" : "+x"(a##r), "+x"(b##r), "+x"(a2##r), "+x"(b2##r));
+        EACH_ROW(ZERO)
+        if (bits == 4) {
+            for (int64_t j = 0; j < G / 8; j++) {
+                __m256i va = _mm256_loadu_si256((const __m256i *)(block + 64 * j));
+                __m256i vb = _mm256_loadu_si256((const __m256i *)(block + 64 * j + 32));
+                __m256i la = _mm256_and_si256(va, low), lb = _mm256_and_si256(vb, low);
+                __m256i ha = _mm256_and_si256(_mm256_srli_epi16(va, 4), low);
+                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(vb, 4), low);
+#ifdef __AVXVNNI__
+#define NIBBLES(acc, odd, lo, hi, xl, xh)                                               \
+    acc = dot4(acc, lo, xl);                                                            \
+    if (chains == 2) odd = dot4(odd, hi, xh); else acc = dot4(acc, hi, xh);
+#else
+#define NIBBLES(acc, odd, lo, hi, xl, xh)                                               \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(                                      \
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),   \
+        _mm256_set1_epi16(1)));
+#endif
+#define DOT4(r)                                                                         \
+    if (r < rows) {                                                                     \
+        __m256i xl = broadcast4(xg + r * K + 8 * j), xh = broadcast4(xg + r * K + 8 * j + 4); \
+        NIBBLES(a##r, a2##r, la, ha, xl, xh)                                            \
+        NIBBLES(b##r, b2##r, lb, hb, xl, xh)                                            \
+    }
+                EACH_ROW(DOT4)
+            }
+        } else {
+            for (int64_t j = 0; j < G / 4; j += 2) {
+                const uint8_t *c = block + 64 * j;
+                __m256i va = _mm256_loadu_si256((const __m256i *)c);
+                __m256i vb = _mm256_loadu_si256((const __m256i *)(c + 32));
+                __m256i wa = _mm256_loadu_si256((const __m256i *)(c + 64));
+                __m256i wb = _mm256_loadu_si256((const __m256i *)(c + 96));
+#ifdef __AVXVNNI__
+#define BYTES(acc, odd, v, w, x1, x2)                                                   \
+    acc = dot4(acc, v, x1);                                                             \
+    if (chains == 2) odd = dot4(odd, w, x2); else acc = dot4(acc, w, x2);
+#else
+                const __m256i flip = _mm256_set1_epi8(-128);
+                va = _mm256_xor_si256(va, flip), vb = _mm256_xor_si256(vb, flip);
+                wa = _mm256_xor_si256(wa, flip), wb = _mm256_xor_si256(wb, flip);
+                __m256i mva = _mm256_abs_epi8(va), mvb = _mm256_abs_epi8(vb);
+                __m256i mwa = _mm256_abs_epi8(wa), mwb = _mm256_abs_epi8(wb);
+#define BYTES(acc, odd, v, w, x1, x2)                                                   \
+    acc = dot4(acc, m##v, _mm256_sign_epi8(x1, v));                                     \
+    acc = dot4(acc, m##w, _mm256_sign_epi8(x2, w));
+#endif
+#define DOT8(r)                                                                         \
+    if (r < rows) {                                                                     \
+        __m256i x1 = broadcast4(xg + r * K + 4 * j), x2 = broadcast4(xg + r * K + 4 * j + 4); \
+        BYTES(a##r, a2##r, va, wa, x1, x2)                                              \
+        BYTES(b##r, b2##r, vb, wb, x1, x2)                                              \
+    }
+                EACH_ROW(DOT8)
+            }
+        }
+        const uint8_t *halves = block + vbytes; /* scales, then (4 bits) mins */
+        __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
+        __m256 sb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 16)));
+        __m256 ma = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 32)))
+                              : _mm256_setzero_ps();
+        __m256 mb = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 48)))
+                              : _mm256_setzero_ps();
+#ifdef __AVXVNNI__
+        const int offset = bits == 8; /* vpdpbusd multiplied the stored bytes, q + 128 */
+#else
+        const int offset = 0;
+#endif
+#define SCALE(r)                                                                        \
+    if (r < rows) {                                                                     \
+        if (chains == 2) a##r = _mm256_add_epi32(a##r, a2##r), b##r = _mm256_add_epi32(b##r, b2##r); \
+        if (offset) {                                                                   \
+            __m256i o = _mm256_set1_epi32(off[r * ng + g]);                             \
+            a##r = _mm256_sub_epi32(a##r, o), b##r = _mm256_sub_epi32(b##r, o);         \
+        }                                                                               \
+        __m256 d = _mm256_set1_ps(dx[r * ng + g]);                                      \
+        ta##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##r), _mm256_mul_ps(sa, d), ta##r); \
+        tb##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b##r), _mm256_mul_ps(sb, d), tb##r); \
+        if (bits == 4) {                                                                \
+            __m256 s = _mm256_set1_ps(dsum[r * ng + g]);                                \
+            ta##r = _mm256_fmadd_ps(ma, s, ta##r), tb##r = _mm256_fmadd_ps(mb, s, tb##r); \
+        }                                                                               \
+    }
+        EACH_ROW(SCALE)
+    }
+    v16f t[IMR];
+#define KEEP(r)                                                                         \
+    if (r < rows) {                                                                     \
+        memcpy(&t[r], &ta##r, sizeof ta##r);                                            \
+        memcpy((char *)&t[r] + sizeof ta##r, &tb##r, sizeof tb##r);                     \
+    }
+    EACH_ROW(KEEP)
+    store_rows(t, rows, out, N, ncols, bias);
+#undef DECLARE
+#undef ZERO
+#undef NIBBLES
+#undef DOT4
+#undef BYTES
+#undef DOT8
+#undef SCALE
+#undef KEEP
+}
+#endif
+
+#if defined(INT8_ZMM) || defined(INT8_YMM)
 ALWAYS_INLINE void int8_panel(const int8_t *xq, const float *dx, const float *dsum,
                               const int32_t *off,
                               const uint8_t *packed, const int bits, int64_t G,
@@ -412,40 +575,85 @@ ALWAYS_INLINE void int8_panel(const int8_t *xq, const float *dx, const float *ds
         INT8_ROWS(IMR);
         xq += IMR * K, dx += IMR * ng, dsum += IMR * ng, off += IMR * ng;
     }
-    LAST_ROWS_8(rows - m, INT8_ROWS)
-}
-#else
-int quant_int8_available(void) { return 0; }
+    switch (rows - m) { /* the last rows - m < IMR, one unrolled copy a count */
+#ifdef INT8_ZMM
+        case 7: INT8_ROWS(7); break;
+        case 6: INT8_ROWS(6); break;
+        case 5: INT8_ROWS(5); break;
+        case 4: INT8_ROWS(4); break;
 #endif
+        case 3: INT8_ROWS(3); break;
+        case 2: INT8_ROWS(2); break;
+        case 1: INT8_ROWS(1); break;
+        default: break;
+    }
+}
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* max(amax, |v|) lane by lane. */
+ALWAYS_INLINE v16f abs_max16(v16f amax, v16f v) {
+#ifdef INT8_ZMM
+    __m512 m, w;
+    memcpy(&m, &amax, sizeof m);
+    memcpy(&w, &v, sizeof w);
+    m = _mm512_max_ps(m, _mm512_abs_ps(w));
+    memcpy(&amax, &m, sizeof m);
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int h = 0; h < 2; h++) {
+        __m256 m, w;
+        memcpy(&m, (char *)&amax + 32 * h, sizeof m);
+        memcpy(&w, (char *)&v + 32 * h, sizeof w);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, w));
+        memcpy((char *)&amax + 32 * h, &m, sizeof m);
+    }
+#endif
+    return amax;
+}
+
+/* v rounded to the nearest integer (ties to even: the MXCSR's mode) as int32, and its int8s
+ * stored at out (|v| <= 127.5: in range). */
+ALWAYS_INLINE v16i round16(v16f v, int8_t *out) {
+    v16i q;
+#ifdef INT8_ZMM
+    __m512 w;
+    memcpy(&w, &v, sizeof w);
+    __m512i r = _mm512_cvtps_epi32(w);
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(r));
+    memcpy(&q, &r, sizeof q);
+#else
+    __m256 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + 32, sizeof hi);
+    __m256i a = _mm256_cvtps_epi32(lo), b = _mm256_cvtps_epi32(hi);
+    __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8); /* a's, then b's */
+    __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
+                                    _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128((__m128i *)out, bytes);
+    memcpy(&q, &a, sizeof a);
+    memcpy((char *)&q + 32, &b, sizeof b);
+#endif
+    return q;
+}
+
 /* Each row's groups as int8: xq = round(x / d) with d = max|x| / 127 (round half to even,
- * computed as x * (127 / max|x|)); d in dx, d sum(xq) in dsum, 128 sum(xq) in off. */
+ * computed as x * (127 / max|x|)); d in dx, d sum(xq) in dsum, 128 sum(xq) in off. The same
+ * float steps on either vector width: the same xq. */
 ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, int64_t K,
                                  int64_t G, int8_t *xq, float *dx, float *dsum, int32_t *off) {
     int64_t ng = K / G;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < ng; g++) {
             int64_t at = r * K + g * G;
-            __m512 amax = _mm512_setzero_ps();
-            for (int64_t k = 0; k < G; k += QP) {
-                v16f v = load_x16(x, at + k, dtype);
-                __m512 w;
-                memcpy(&w, &v, sizeof w);
-                amax = _mm512_max_ps(amax, _mm512_abs_ps(w));
-            }
-            float m = _mm512_reduce_max_ps(amax);
-            __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-            __m512i sum = _mm512_setzero_si512();
-            for (int64_t k = 0; k < G; k += QP) {
-                v16f v = load_x16(x, at + k, dtype);
-                __m512 w;
-                memcpy(&w, &v, sizeof w);
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv)); /* nearest, ties even */
-                sum = _mm512_add_epi32(sum, q);
-                _mm_storeu_si128((__m128i *)(xq + at + k), _mm512_cvtepi32_epi8(q));
-            }
-            int32_t total = _mm512_reduce_add_epi32(sum);
+            v16f amax = splat16(0.0f);
+            for (int64_t k = 0; k < G; k += QP) amax = abs_max16(amax, load_x16(x, at + k, dtype));
+            float m = 0.0f;
+            for (int i = 0; i < QP; i++) m = amax[i] > m ? amax[i] : m;
+            v16f inv = splat16(m > 0.0f ? 127.0f / m : 0.0f);
+            v16i sum = {};
+            for (int64_t k = 0; k < G; k += QP)
+                sum += round16(load_x16(x, at + k, dtype) * inv, xq + at + k);
+            int32_t total = 0;
+            for (int i = 0; i < QP; i++) total += sum[i];
             dx[r * ng + g] = m / 127.0f;
             dsum[r * ng + g] = dx[r * ng + g] * (float)total;
             off[r * ng + g] = 128 * total;
@@ -477,7 +685,7 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
                  const float *bias, float *out, int64_t M, int64_t N, int64_t K, int int8,
                  void *scratch, int threads) {
     if ((bits != 4 && bits != 8) || G <= 0 || G % 16 != 0 || K % G != 0) return -2;
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#if !(defined(INT8_ZMM) || defined(INT8_YMM))
     if (int8) return -1;
 #endif
     const int64_t num_panels = (N + QP - 1) / QP, elem = dtype == F32 ? 4 : 2;
@@ -497,7 +705,7 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
             }
             continue;
         }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(INT8_ZMM) || defined(INT8_YMM)
         const int64_t ng = K / G;
         float *dx = scratch, *dsum = dx + rows * ng;
         int32_t *off = (int32_t *)(dsum + rows * ng);
