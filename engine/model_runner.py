@@ -7,6 +7,7 @@ known tokens are projected to logits.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,27 +58,23 @@ class ModelRunner:
         decodes = [c for c in out.chunks if c.num_new_tokens == 1]
         prefills = [c for c in out.chunks if c.num_new_tokens > 1]
         chunks = decodes + prefills
-        input_ids, positions, seq_index = self._flatten(chunks)
-        tables = self._block_tables(chunks)  # (num_chunks, max_blocks) int32
-        block_size = self.kv_cache.block_size
-        slot_mapping = tables[seq_index, positions // block_size].long() * block_size + (
-            positions % block_size
-        )  # (num_tokens,)
+        block_tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
+        batch = self._flatten(chunks, block_tables)
+        tables = _padded(block_tables)  # (num_chunks, max_blocks) int32
         total_lens = torch.tensor(
             [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=torch.int32
         )
         rope_lens = None
         if self.needs_rope_lens:  # a chunked prompt's early chunks as its whole length
-            rope_lens = torch.tensor([
-                max(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
-                for c in chunks
-            ])  # fmt: skip
+            lens = [max(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
+                    for c in chunks]  # fmt: skip
+            rope_lens = torch.tensor([lens[i] for i in batch.seq_index])  # (num_tokens,)
         q_lens = torch.tensor([c.num_new_tokens for c in prefills], dtype=torch.int32)
         cu_seqlens = torch.zeros(len(prefills) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
         nd = len(decodes)
         meta = AttentionMetadata(
-            slot_mapping=self._to(slot_mapping),
+            slot_mapping=self._to(torch.tensor(batch.slots, dtype=torch.long)),
             num_decode_tokens=nd,
             decode_block_tables=self._to(tables[:nd]),
             decode_context_lens=self._to(total_lens[:nd]),
@@ -85,14 +82,20 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._to(cu_seqlens),
             prefill_context_lens=self._to(total_lens[nd:]),
             backend=self.backend,
-            rope_seq_lens=None if rope_lens is None else self._to(rope_lens[seq_index]),
+            rope_seq_lens=None if rope_lens is None else self._to(rope_lens),
         )
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
+        positions = torch.tensor(batch.positions, dtype=torch.long)
         hidden = self.model(
             self._to(input_ids), self._to(positions), self.kv_cache.layers, meta
         )  # (num_tokens, hidden)
-        ends = torch.cumsum(torch.tensor([c.num_new_tokens for c in chunks]), 0) - 1
+        ends = [e - 1 for e in itertools.accumulate(c.num_new_tokens for c in chunks)]
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        last_hidden = hidden[self._to(ends[rows])]  # (num_sampling, hidden)
+        # (num_sampling, hidden): each sampling chunk's last row
+        if rows == list(range(len(hidden))):  # one row a chunk, each samples: all of them
+            last_hidden = hidden
+        else:
+            last_hidden = hidden[self._to(torch.tensor([ends[i] for i in rows], dtype=torch.long))]
         logits = self.model.logits(last_hidden)  # (num_sampling, vocab)
         prompt_rows = [
             PromptRows(c.seq, c.seq.num_computed_tokens,
@@ -102,27 +105,35 @@ class ModelRunner:
         ]  # fmt: skip
         return [chunks[i].seq for i in rows], logits, last_hidden, prompt_rows
 
-    def _flatten(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids: list[int] = []
-        for c in chunks:
+    def _flatten(self, chunks: list[ScheduledChunk], tables: list[list[int]]) -> FlatBatch:
+        """The chunks' new tokens back to back, as plain lists: one torch.tensor call per field
+        afterwards, where tensor arithmetic cost a dozen small ops a step."""
+        batch = FlatBatch([], [], [], [])
+        block_size = self.kv_cache.block_size
+        for i, (c, table) in enumerate(zip(chunks, tables, strict=True)):
             start = c.seq.num_computed_tokens
-            ids.extend(c.seq.token_ids[start : start + c.num_new_tokens])
-        lens = torch.tensor([c.num_new_tokens for c in chunks])
-        starts = torch.tensor([c.seq.num_computed_tokens for c in chunks])
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # (num_tokens,)
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(
-            torch.cumsum(lens, 0) - lens, lens
-        )
-        positions = starts[seq_index] + offsets
-        return torch.tensor(ids, dtype=torch.long), positions, seq_index
-
-    def _block_tables(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.int32)
+            span = range(start, start + c.num_new_tokens)
+            batch.token_ids.extend(c.seq.token_ids[start : span.stop])
+            batch.positions.extend(span)
+            batch.slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            batch.seq_index.extend([i] * c.num_new_tokens)
+        return batch
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    """A step's new tokens, chunk after chunk: id, position, KV slot and chunk index of each."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_index: list[int]
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one (num_chunks, max_blocks) int32 tensor, rows padded with block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
