@@ -44,14 +44,6 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be auto, bfloat16 or int8, got {self.kv_cache_dtype!r}"
             )
-        triton = self.attention_backend == "triton" or (
-            self.attention_backend == "auto" and self.device != "cpu"
-        )
-        if self.kv_cache_dtype == "int8" and triton:
-            raise ValueError(
-                "kv_cache_dtype int8 runs on the CPU attention paths only (cpu, torch): the "
-                "Triton kernels read float caches; use bfloat16 or auto on a GPU"
-            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -64,10 +64,12 @@ def dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 def load_kv_tiles(
     k_ptr, v_ptr, table_ptr, pos, n_mask, kv_head, offs_d, d_mask, stride_btn,
     stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """K and V tiles (BLOCK_N, BLOCK_D) of one KV head at key positions `pos`, through the
-    sequence's block table: position p lives in block table[p // PAGE_SIZE], slot p % PAGE_SIZE."""
+    sequence's block table: position p lives in block table[p // PAGE_SIZE], slot p % PAGE_SIZE.
+    INT8: the cache's rows are kv_quant.py's (HEAD_DIM int8 values, then a float32 scale, the
+    strides in bytes): the tiles come back dequantized, float32."""
     block = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_btn, mask=n_mask, other=0)
     block = block.to(tl.int64)[:, None]  # int64: block * stride(0) can pass 2**31 elements
     slot = (pos % PAGE_SIZE)[:, None]
@@ -77,6 +79,14 @@ def load_kv_tiles(
     v_offsets = block * stride_vb + slot * stride_vt + kv_head * stride_vh + dims * stride_vd
     k = tl.load(k_ptr + k_offsets, mask=mask, other=0.0)
     v = tl.load(v_ptr + v_offsets, mask=mask, other=0.0)
+    if INT8:
+        k_row = block * stride_kb + slot * stride_kt + kv_head * stride_kh + HEAD_DIM
+        v_row = block * stride_vb + slot * stride_vt + kv_head * stride_vh + HEAD_DIM
+        f32 = tl.pointer_type(tl.float32)
+        k_scale = tl.load((k_ptr + k_row).to(f32), mask=n_mask[:, None], other=0.0)
+        v_scale = tl.load((v_ptr + v_row).to(f32), mask=n_mask[:, None], other=0.0)
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
     return k, v
 
 
@@ -120,7 +130,7 @@ def decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: attention of one (sequence, KV head group) over one split of the context."""
     b = tl.program_id(0)
@@ -160,7 +170,7 @@ def decode_split_kernel(
         k, v = load_kv_tiles(
             k_ptr, v_ptr, table, pos, n_mask, kv_head, offs_d, d_mask, stride_btn,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            PAGE_SIZE,
+            PAGE_SIZE, HEAD_DIM, INT8,
         )  # (BLOCK_N, BLOCK_D) each  # fmt: skip
         m_i, l_i, acc = attend_tile(
             q, k, v, n_mask[None, :], m_i, l_i, acc, scale, soft_cap,
@@ -253,9 +263,9 @@ def paged_decode_attention(
     """Same contract as `paged_decode_attention_ref`; `num_splits` overrides the split heuristic.
 
     q: (batch, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
-    head_dim), any strides; block_tables: (batch, max_blocks) int32; context_lens: (batch,) counting
-    the query token; sinks: (num_heads,) float32 or None. Returns (batch, num_heads, head_dim) in
-    q's dtype.
+    head_dim), any strides, or int8 rows of head_dim + 4 (kv_quant.py); block_tables: (batch,
+    max_blocks) int32; context_lens: (batch,) counting the query token; sinks: (num_heads,)
+    float32 or None. Returns (batch, num_heads, head_dim) in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -286,7 +296,7 @@ def paged_decode_attention(
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
         HAS_SINKS=sinks is not None, SINGLE_SPLIT=num_splits == 1, UPCAST=needs_upcast(q),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        INT8=k_cache.dtype == torch.int8, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         decode_reduce_kernel[(batch, num_heads)](

@@ -38,7 +38,7 @@ def prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """One (query tile, query head): causal attention over the sequence's cached + new keys."""
     tile = tl.program_id(0)
@@ -90,7 +90,7 @@ def prefill_kernel(
         k, v = load_kv_tiles(
             k_ptr, v_ptr, table, pos, n_mask, kv_head, offs_d, d_mask, stride_btn,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            PAGE_SIZE,
+            PAGE_SIZE, HEAD_DIM, INT8,
         )  # (BLOCK_N, BLOCK_D) each  # fmt: skip
         # (BLOCK_M, BLOCK_N): causal, and inside the window (a row may see no key of this tile).
         allowed = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -123,9 +123,10 @@ def paged_prefill_attention(
     """Same contract as `paged_prefill_attention_ref`.
 
     q: (num_tokens, num_heads, head_dim) packed; k_cache, v_cache: (num_blocks, block_size,
-    num_kv_heads, head_dim), any strides; block_tables: (batch, max_blocks) int32;
-    cu_seqlens_q: (batch + 1,) int32; context_lens: (batch,) prefix + new tokens; sinks:
-    (num_heads,) float32 or None. Returns (num_tokens, num_heads, head_dim) in q's dtype.
+    num_kv_heads, head_dim), any strides, or int8 rows of head_dim + 4 (kv_quant.py);
+    block_tables: (batch, max_blocks) int32; cu_seqlens_q: (batch + 1,) int32; context_lens:
+    (batch,) prefix + new tokens; sinks: (num_heads,) float32 or None. Returns (num_tokens,
+    num_heads, head_dim) in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -145,6 +146,6 @@ def paged_prefill_attention(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=soft_cap is not None, HAS_SINKS=sinks is not None,
         UPCAST=needs_upcast(q), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        INT8=k_cache.dtype == torch.int8, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -38,6 +38,7 @@ def test_empty_file_gives_the_defaults(text: str) -> None:
     ("text", "expected"),
     [
         ("kv_cache: {block_size: 0}", "kv_cache.block_size: Expected `int` >= 1"),
+        ("kv_cache: {dtype: fp8}", "kv_cache.dtype: Invalid enum value 'fp8'"),
         ("frontend: {prot: 1}", "frontend: Object contains unknown field `prot`"),
         ("mode: both", "mode: Invalid enum value 'both'"),
         ("orchestrator: {address: foo}", "orchestrator.address: Expected `str` matching"),

@@ -7,6 +7,10 @@ under a bfloat16 model is auto's cache and gives auto's tokens."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from engine.kernels import kv_quant
 from engine.llm import LLM
 from tools.tiny_model.build import TEST_PROMPTS
 
+ROOT = Path(__file__).resolve().parents[3]
 KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
 MAX_TOKENS = 12
 # float32 maths on the same cache values, summed in other orders: as test_prompt_logprobs.py.
@@ -125,12 +130,49 @@ def test_a_bfloat16_cache_under_a_bfloat16_model_is_autos(tiny_model_path: Path)
     assert runs[0] == runs[1]
 
 
-def test_kv_cache_dtype_is_checked_and_int8_refused_where_triton_would_run() -> None:
+def test_kv_cache_dtype_is_checked() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16 or int8"):
         EngineConfig(model="builtin:tiny", kv_cache_dtype="fp8")  # type: ignore[arg-type]
-    for device, backend in (("cuda", "auto"), ("cpu", "triton")):
-        with pytest.raises(ValueError, match="int8 runs on the CPU attention paths only"):
-            EngineConfig(model="builtin:tiny", device=device, attention_backend=backend,  # type: ignore[arg-type]
-                         kv_cache_dtype="int8")  # fmt: skip
     assert EngineConfig(model="builtin:tiny", dtype="bfloat16").kv_torch_dtype == torch.bfloat16
     assert EngineConfig(model="builtin:tiny", kv_cache_dtype="int8").kv_torch_dtype == torch.int8
+
+
+TRITON_CHILD = """
+import json, sys
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+model, prompts, max_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=0)
+out = {}
+for kv_dtype in ("bfloat16", "int8"):
+    llm = LLM(model, attention_backend="triton", block_size=4, max_num_batched_tokens=12,
+              num_blocks=128, kv_cache_dtype=kv_dtype)
+    out[kv_dtype] = [(r.outputs[0].token_ids, r.outputs[0].logprobs)
+                     for r in llm.generate(prompts, params)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.long  # the interpreter: about a minute
+def test_the_triton_kernels_store_and_read_the_cache_as_the_c_kernels(
+    tiny_model_path: Path,
+) -> None:
+    """The engine on the Triton kernels (interpreted, in a child process: the interpreter is
+    chosen when triton is first imported), chunked prefill over small blocks: the C path's
+    greedy tokens and log-probs with the same cache dtype."""
+    prompts, max_new = TEST_PROMPTS[:2], 6
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_CHILD, str(tiny_model_path), json.dumps(prompts),
+         str(max_new)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    triton_runs = json.loads(child.stdout.strip().splitlines()[-1])
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=0)
+    for kv_dtype, runs in triton_runs.items():
+        llm = LLM(str(tiny_model_path), block_size=4, num_blocks=128, kv_cache_dtype=kv_dtype)
+        for (tokens, logprobs), result in zip(runs, llm.generate(prompts, params), strict=True):
+            assert tokens == result.outputs[0].token_ids, kv_dtype
+            tolerance = SAME_CACHE_TOLERANCE[kv_dtype]
+            assert logprobs == pytest.approx(result.outputs[0].logprobs, abs=tolerance)

@@ -30,7 +30,14 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine import attention  # noqa: E402
-from engine.kernels import cpu_kernels, decode, prefill, store_kv, torch_paged  # noqa: E402
+from engine.kernels import (  # noqa: E402
+    cpu_kernels,
+    decode,
+    kv_quant,
+    prefill,
+    store_kv,
+    torch_paged,
+)
 from engine.kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -424,6 +431,33 @@ def test_a_bfloat16_kv_cache_under_float32_queries_matches_the_reference() -> No
     assert_close(decode.paged_decode_attention(*args), paged_decode_attention_ref(*args))
     q, cu = _packed_queries([25, 7], 8, 64, torch.float32)
     args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 0.125)
+    assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
+
+
+@needs_kernels
+def test_an_int8_kv_cache_is_written_and_read_as_the_reference_does() -> None:
+    """kv_cache_dtype int8 (kv_quant.py's rows): the store quantizes to the reference's bytes
+    (its arithmetic: max / 127, IEEE division, ties to even), decode and prefill dequantize
+    (float32 maths, so the float32 tolerance); a split decode too."""
+    torch.manual_seed(9)
+    cache = PagedCache([40, 90], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    pool = kv_quant.quantize(cache.pool)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    slots = torch.tensor([3, 17, -1, 33], device=DEVICE)
+    k, v = 3 * torch.randn(4, 2, 64, device=DEVICE), torch.randn(4, 2, 64, device=DEVICE)
+    k[1, 0] = 0.0  # a zero row: scale 0
+    k[3, 1, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # ties, once the scale is 1
+    expected = pool.clone()
+    store_kv_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
+    store_kv.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(pool, expected)
+    q = 4 * torch.randn(2, 8, 64, device=DEVICE)
+    args = (q, k_cache, v_cache, cache.block_tables, cache.context_lens, 0.125)
+    for num_splits in (1, 3):
+        out = decode.paged_decode_attention(*args, num_splits=num_splits)
+        assert_close(out, paged_decode_attention_ref(*args))
+    q, cu = _packed_queries([25, 7], 8, 64, torch.float32)
+    args = (q, k_cache, v_cache, cache.block_tables, cu, cache.context_lens, 0.125)
     assert_close(prefill.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
 
 
