@@ -158,6 +158,12 @@ class ClusterConfig(_Section, frozen=True):
     model: str = "builtin:smollm2-135m"
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the weights' format, as vLLM's --quantization: auto (what the checkpoint holds: a GGUF's
+    # blocks, a quantization_config's); a format's name also checks the checkpoint holds it;
+    # dequantize serves quantized weights as float ones in `dtype`
+    quantization: Literal["auto", "gguf", "compressed-tensors", "gptq", "awq", "dequantize"] = (
+        "auto"
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
     advertise_host: str | None = None  # the host peers dial for those (a pod IP); internal_host

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from common.hub_models import cached_snapshot, parse_hub_id
+from engine.models.checkpoint import QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the KV cache's: auto = the model's dtype; int8 = 8-bit rows with a scale each (kv_quant.py)
@@ -31,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     kv_cache_dtype: Literal["auto", "bfloat16", "int8"] = "auto"  # as vLLM's --kv-cache-dtype
+    # as vLLM's --quantization: auto | gguf | compressed-tensors | gptq | awq | dequantize
+    # (engine/models/checkpoint.py QUANTIZATIONS)
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -40,6 +44,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError("attention_backend must be auto, torch, cpu or triton")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be auto, bfloat16 or int8, got {self.kv_cache_dtype!r}"

@@ -91,8 +91,9 @@ class LLMEngine:
         if capped:
             logger.info("%s", capped)
         self.model = load_model(
-            self.model_dir, self.model_config, config.torch_dtype, self.max_model_len
-        ).to(config.device)
+            self.model_dir, self.model_config, config.torch_dtype, self.max_model_len,
+            config.quantization,
+        ).to(config.device)  # fmt: skip
         if config.device == "cpu":
             keep_freed_memory()  # the next step's activations reuse this one's pages
         layout = choose_layout(config.device, config.torch_dtype)

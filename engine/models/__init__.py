@@ -61,14 +61,19 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, max_positions: int | None = None
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    quantization: str = "auto",
 ) -> CausalLM:
     """Build the module on the meta device and assign the checkpoint's tensors: no double memory.
-    Rotary tables are made for `max_positions` (default: the model's maximum)."""
+    Rotary tables are made for `max_positions` (default: the model's maximum); `quantization`:
+    checkpoint.QUANTIZATIONS."""
     arch = architecture(config.model_type)
     with torch.device("meta"):
         model = arch.build(config)
-    state = read_checkpoint(model_dir, dtype)
+    state = read_checkpoint(model_dir, dtype, quantization)
     arch.convert(state, config)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -21,25 +21,54 @@ from engine.quant.weight import QuantizedWeight, concat_rows
 State = dict[str, torch.Tensor | QuantizedWeight]
 
 
-def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> State:
+# cluster.yaml `quantization` (as vLLM's --quantization): auto reads what the checkpoint holds;
+# a format's name also checks that the checkpoint holds it; dequantize loads quantized matrices
+# as float tensors in the model's dtype (served by the float kernels, e.g. to compare)
+QUANTIZATIONS = ("auto", "gguf", "compressed-tensors", "gptq", "awq", "dequantize")
+
+
+def read_checkpoint(model_dir: Path, dtype: torch.dtype, quantization: str = "auto") -> State:
     """The weights in whichever format the directory holds them: one GGUF file (its quantized
     matrices kept as they are stored: engine/formats/gguf.py), else safetensors, quantized
     where config.json's quantization_config says so (engine/formats/hf_quant.py)."""
+    stored = checkpoint_format(model_dir)
+    if quantization not in ("auto", "dequantize", stored):
+        raise ValueError(
+            f"quantization: {quantization}, but {model_dir} holds "
+            f"{stored + ' weights' if stored else 'unquantized safetensors'}"
+        )
+    if stored == "gguf":
+        from engine.formats.gguf import load_gguf
+
+        (gguf,) = model_dir.glob("*.gguf")
+        state: State = dict(load_gguf(gguf).tensors)
+    elif stored is not None:
+        from engine.formats.hf_quant import read_quantized
+
+        config = json.loads((model_dir / "config.json").read_text())
+        state = read_quantized(model_dir, config, dtype)
+    else:
+        return read_safetensors(model_dir, dtype)
+    for name, tensor in state.items():
+        if not isinstance(tensor, QuantizedWeight):
+            state[name] = tensor.to(dtype)
+        elif quantization == "dequantize":
+            state[name] = tensor.dequantize().to(dtype)
+    return state
+
+
+def checkpoint_format(model_dir: Path) -> str | None:
+    """ "gguf" for a directory holding one GGUF file, else config.json's quantization_config
+    quant_method, else None (unquantized safetensors)."""
     ggufs = sorted(model_dir.glob("*.gguf"))
     if len(ggufs) > 1:
         raise ValueError(f"{model_dir}: {len(ggufs)} GGUF files; keep the one to serve")
-    if not ggufs:
-        config_json = model_dir / "config.json"
-        config = json.loads(config_json.read_text()) if config_json.is_file() else {}
-        if config.get("quantization_config"):
-            from engine.formats.hf_quant import read_quantized
-
-            return read_quantized(model_dir, config, dtype)
-        return read_safetensors(model_dir, dtype)
-    from engine.formats.gguf import load_gguf
-
-    tensors = load_gguf(ggufs[0]).tensors
-    return {n: t if isinstance(t, QuantizedWeight) else t.to(dtype) for n, t in tensors.items()}
+    if ggufs:
+        return "gguf"
+    config_json = model_dir / "config.json"
+    config = json.loads(config_json.read_text()) if config_json.is_file() else {}
+    qconfig = config.get("quantization_config")
+    return str(qconfig.get("quant_method", "?")) if qconfig else None
 
 
 def read_safetensors(model_dir: Path, dtype: torch.dtype) -> State:

@@ -41,6 +41,7 @@ def test_empty_file_gives_the_defaults(text: str) -> None:
         ("kv_cache: {dtype: fp8}", "kv_cache.dtype: Invalid enum value 'fp8'"),
         ("frontend: {prot: 1}", "frontend: Object contains unknown field `prot`"),
         ("mode: both", "mode: Invalid enum value 'both'"),
+        ("quantization: int3", "quantization: Invalid enum value 'int3'"),
         ("orchestrator: {address: foo}", "orchestrator.address: Expected `str` matching"),
         ("generation_workers: {count: x}", "generation_workers.count: Expected `int`, got `str`"),
         ("a: [", "not valid YAML"),
