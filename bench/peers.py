@@ -227,6 +227,11 @@ class Target:
     cluster_dtype: str  # the clusters' `dtype:` (a GGUF builtin's activations)
     gguf: GgufModel | None = None
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The clusters' kv_cache.dtype: a GGUF's in 16 bits, as llama.cpp's default (F16)."""
+        return "bfloat16" if self.gguf is not None else "auto"
+
 
 def targets(model: str, dtypes: list[str]) -> Iterator[Target]:
     gguf = GGUF_MODELS.get(model)
@@ -268,7 +273,7 @@ def start(
         gguf = gguf_file(target.model_dir)
         return LlamaCppServer(llamacpp, system, target.model, gguf, workdir)
     return Cluster(target.model, "cpu", system, workdir, dtype=target.cluster_dtype,
-                   profile_dir=profile_dir)  # fmt: skip
+                   profile_dir=profile_dir, kv_cache_dtype=target.kv_cache_dtype)  # fmt: skip
 
 
 # --- profiles -------------------------------------------------------------------------------------
@@ -537,6 +542,7 @@ def main() -> None:
                     summary["repeats"] = args.repeats
                     if target.gguf is not None and set(chosen) & set(OURS):
                         summary["cluster_dtype"] = target.cluster_dtype  # the activations'
+                        summary["cluster_kv_cache_dtype"] = target.kv_cache_dtype
                     result["models"].setdefault(model, {})[target.dtype] = summary
                 profiled = [s for s in chosen if s not in LLAMACPP_SYSTEMS]
                 if args.profile and profiled:  # merged by level and server into the earlier

@@ -109,6 +109,7 @@ class Cluster:
         workdir: Path,
         dtype: str | None = None,
         profile_dir: Path | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.port = free_port()
         config = workdir / f"cluster-{mode}.yaml"
@@ -118,7 +119,7 @@ class Cluster:
             f"frontend: {{port: {self.port}}}\n"
             f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware}}\n'
             "generation_workers: {max_num_seqs: 64}\n"
-            "kv_cache: {block_size: 16, num_blocks: 4096}\n"
+            f"kv_cache: {{block_size: 16, num_blocks: 4096, dtype: {kv_cache_dtype}}}\n"
             + (f"profiler: {{dir: {profile_dir}}}\n" if profile_dir else "")
         )
         self.log = (workdir / f"cluster-{mode}.log").open("wb")
