@@ -50,6 +50,20 @@ def keep_freed_memory() -> bool:
     return done
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim): after load-time
+    copies, which keep_freed_memory's thresholds would otherwise keep in the process. False
+    where there is no glibc to ask."""
+    path = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(path).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def huge_page_buffer(num_bytes: int) -> torch.Tensor:
     """num_bytes of zeroed uint8 memory in a private mapping advised for huge pages (a plain
     mapping where the platform has no madvise). The tensor keeps the mapping alive."""

@@ -11,37 +11,47 @@ rows: the same kernels, the same bytes, read faster).
 
 Only the matrices the C decode step and the LM head stream are moved: quantized blocks
 (cpu_quant.c), float32 panels, the bfloat16 pairs or panels kept beside oneDNN. Each is copied
-once, at load; the old tensors are freed.
+once, at load; the old tensors are freed and their pages handed back as the copy goes (else the
+process would hold both copies at its peak: keep_freed_memory keeps freed heap pages).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from engine.host_memory import huge_page_buffer
+from engine.host_memory import huge_page_buffer, release_freed_memory
 from engine.linear import Linear
 
 ALIGN_BYTES = 64  # each matrix starts on a cache line
+TRIM_EVERY_BYTES = 64 << 20  # old copies handed back to the kernel this often while moving
 
 
 def place_streamed_weights(model: nn.Module) -> int:
     """Move every CPU Linear's streamed matrix into one huge-page arena, in module order (each
     decoder layer's projections as its forward calls them, then the LM head). Returns the bytes
     moved (0 where nothing streams from the CPU)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    tensors = [m.streamed_weight() for m in layers]
-    placed = [(m, t) for m, t in zip(layers, tensors, strict=True)
-              if t is not None and t.device.type == "cpu"]  # fmt: skip
-    if not placed:
+    sizes: dict[Linear, int] = {}  # bytes; the tensors are fetched one at a time below
+    for module in model.modules():
+        if isinstance(module, Linear):
+            tensor = module.streamed_weight()
+            if tensor is not None and tensor.device.type == "cpu":
+                sizes[module] = tensor.numel() * tensor.element_size()
+    if not sizes:
         return 0
-    offsets, total = [], 0
-    for _, tensor in placed:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    total = sum(-(-n // ALIGN_BYTES) * ALIGN_BYTES for n in sizes.values())
     arena = huge_page_buffer(total)
-    for (module, tensor), at in zip(placed, offsets, strict=True):
-        num_bytes = tensor.numel() * tensor.element_size()
+    at = freed = 0
+    for module, num_bytes in sizes.items():
+        tensor = module.streamed_weight()
+        assert tensor is not None
         moved = arena[at : at + num_bytes].view(tensor.dtype).view(tensor.shape)
         moved.copy_(tensor)
         module.replace_streamed_weight(moved)
+        del tensor  # the module's reference was the last: the old copy is freed here
+        at += -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+        freed += num_bytes
+        if freed >= TRIM_EVERY_BYTES:  # the old copies leave as the new ones come in
+            release_freed_memory()
+            freed = 0
+    release_freed_memory()
     return total

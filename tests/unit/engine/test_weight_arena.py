@@ -4,6 +4,7 @@ kernel gives them."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,13 @@ def test_moved_layers_compute_the_same_and_read_one_buffer_in_order() -> None:
     assert starts == sorted(starts)
     assert starts[-1] - starts[0] < moved
     assert all(s % 64 == 0 for s in starts)
+
+
+def test_the_old_copies_are_freed() -> None:
+    model = layers()
+    old = [weakref.ref(m.streamed_weight()) for m in model]  # type: ignore[arg-type]
+    place_streamed_weights(model)
+    assert all(ref() is None for ref in old)  # nothing held them: the process is not 2x at load
 
 
 def test_a_model_with_nothing_streamed_moves_nothing() -> None:
