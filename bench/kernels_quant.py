@@ -5,7 +5,7 @@ qkv (960, 576), o (576, 576), gate_up (3072, 576), down (576, 1536), 30 layers e
 own weights (so that they stream from memory, as in a decode step), plus the LM head
 (49152, 576). One thread, 1 / 8 / 32 rows. A "pass" is every matrix once: what a decode step's
 linear layers do. Methods: 4-bit groups of 32 and 8-bit groups of 32, each on its float path
-and its int8-activation path (AVX512-VNNI), against cpu_linear.c's float32 panels
+and its int8-activation path (AVX2 or later), against cpu_linear.c's float32 panels
 (cpu_kernels.panel_linear) and bfloat16 pairs (pair_linear, AVX512-BF16). The C functions are
 called through ctypes with every buffer allocated up front, so the times are the kernels'.
 `gbps` is the weight bytes of a pass over its time. Rounds interleave the methods; each figure
@@ -35,6 +35,13 @@ multiply-adds an instruction, as the float32 panels); int8 activations (vpdpbusd
 2.3-2.4x faster than it, and 2.0x / 1.4x faster than bfloat16 pairs at 8 / 32 rows (4 bits).
 
     .venv/bin/python -m bench.kernels_quant [--rounds 7] [--out bench/results/kernels_quant.json]
+
+`--library` times another build of cpu_quant.c alone (its methods only), say the AVX2 one that
+an AVX-512 host's kernels never compile (figures: cpu_quant.c's header):
+
+    gcc -O3 -march=x86-64-v3 -fPIC -shared -fopenmp -fno-math-errno -fno-trapping-math \
+        -fassociative-math -fno-signed-zeros engine/kernels/cpu_quant.c -o /tmp/quant_v3.so -lm
+    .venv/bin/python -m bench.kernels_quant --library /tmp/quant_v3.so  # -> *_quant_v3.json
 """
 
 from __future__ import annotations
@@ -86,10 +93,24 @@ def shapes() -> list[tuple[int, int]]:
     return [s for _ in range(LAYERS) for s in LAYER_SHAPES] + [HEAD_SHAPE]
 
 
-def quant_method(bits: int, int8: bool, rows: int, packed: list[cpu_quant.PackedQuant],
-                 x: torch.Tensor) -> list[Callable[[], object]]:  # fmt: skip
-    lib = cpu_kernels.library()
-    assert lib is not None
+def load_library(path: Path | None) -> ctypes.CDLL:
+    """The kernels' library, or (path) another build of cpu_quant.c, its functions declared as
+    the kernels' library declares them."""
+    if path is None:
+        lib = cpu_kernels.library()
+        if lib is None:
+            raise SystemExit("the C kernels did not build on this host")
+        return lib
+    lib = ctypes.CDLL(str(path.resolve()))
+    for name in ("quant_linear", "quant_linear_scratch", "quant_int8_available"):
+        function = getattr(lib, name)
+        function.restype, function.argtypes = cpu_kernels._SIGNATURES[name]
+    return lib
+
+
+def quant_method(lib: ctypes.CDLL, bits: int, int8: bool, rows: int,
+                 packed: list[cpu_quant.PackedQuant], x: torch.Tensor
+                 ) -> list[Callable[[], object]]:  # fmt: skip
     calls = []
     max_k = max(k for _, k in LAYER_SHAPES)
     scratch = torch.empty(lib.quant_linear_scratch(rows, max_k, GROUP), dtype=torch.uint8)
@@ -150,13 +171,15 @@ def time_pass(calls: list[Callable[[], object]], passes: int) -> float:
     return (time.perf_counter() - start) * 1e3 / passes
 
 
-def build_weights() -> dict[str, tuple[Any, int]]:
+def build_weights(quant_only: bool) -> dict[str, tuple[Any, int]]:
     """Each method's weights for every matrix of a pass, and their bytes."""
     torch.manual_seed(0)
     weights: dict[str, tuple[Any, int]] = {}
     for bits in (4, 8):
         packed = [cpu_quant.pack_quantized(random_quantized(bits, n, k)) for n, k in shapes()]
         weights[f"q{bits}"] = (packed, sum(p.nbytes for p in packed))
+    if quant_only:
+        return weights
     panels = []
     for n, k in shapes():
         panels.append((cpu_kernels.pack_panels(torch.randn(n, k) / k**0.5), n, k))
@@ -170,7 +193,7 @@ def build_weights() -> dict[str, tuple[Any, int]]:
     return weights
 
 
-def methods_for(rows: int, weights: dict[str, tuple[Any, int]]
+def methods_for(rows: int, weights: dict[str, tuple[Any, int]], lib: ctypes.CDLL
                 ) -> dict[str, tuple[list[Callable[[], object]], int]]:  # fmt: skip
     max_k = max(k for _, k in LAYER_SHAPES)
     x32 = torch.randn(rows, max_k)
@@ -179,10 +202,12 @@ def methods_for(rows: int, weights: dict[str, tuple[Any, int]]
     for bits in (4, 8):
         packed, nbytes = weights[f"q{bits}"]
         for dtype, x in (("f32", x32), ("bf16", x16)):
-            paths = (False, True) if cpu_quant.int8_available() else (False,)
+            paths = (False, True) if lib.quant_int8_available() else (False,)
             for int8 in paths:
                 name = f"q{bits}g{GROUP} {'int8' if int8 else 'float'} x{dtype}"
-                methods[name] = (quant_method(bits, int8, rows, packed, x), nbytes)
+                methods[name] = (quant_method(lib, bits, int8, rows, packed, x), nbytes)
+    if "f32" not in weights:
+        return methods
     methods["f32 panels"] = (panel_method(rows, weights["f32"][0], x32), weights["f32"][1])
     if "bf16" in weights:
         methods["bf16 pairs"] = (pair_method(rows, weights["bf16"][0], x16), weights["bf16"][1])
@@ -192,14 +217,19 @@ def methods_for(rows: int, weights: dict[str, tuple[Any, int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/kernels_quant.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench/results/kernels_quant[_LIBRARY].json")  # fmt: skip
+    parser.add_argument("--library", type=Path, default=None,
+                        help="time this build of cpu_quant.c (its methods only)")  # fmt: skip
     args = parser.parse_args()
-    if cpu_kernels.library() is None:
-        raise SystemExit("the C kernels did not build on this host")
-    weights = build_weights()
+    if args.out is None:
+        suffix = f"_{args.library.stem}" if args.library else ""
+        args.out = ROOT / f"bench/results/kernels_quant{suffix}.json"
+    lib = load_library(args.library)
+    weights = build_weights(quant_only=args.library is not None)
     results: list[dict[str, Any]] = []
     for rows in ROWS:
-        methods = methods_for(rows, weights)
+        methods = methods_for(rows, weights, lib)
         times: dict[str, list[float]] = {name: [] for name in methods}
         passes = 3 if rows == 1 else 1
         for calls, _ in methods.values():
@@ -217,7 +247,8 @@ def main() -> None:
     print_table(results)
     report = {
         "cpu": _cpu_name(), "machine": platform.machine(), "threads": 1, "torch": torch.__version__,
-        "int8_available": cpu_quant.int8_available(), "rounds": args.rounds,
+        "library": str(args.library) if args.library else None,
+        "int8_available": bool(lib.quant_int8_available()), "rounds": args.rounds,
         "layers": LAYERS, "layer_shapes": LAYER_SHAPES, "head_shape": HEAD_SHAPE,
         "results": results,
     }  # fmt: skip

@@ -21,7 +21,7 @@
  * bytes times the activations' signed ones, four products summed into each column's int32.
  * Bytes a weight: 8 + 256 / G (8.5 at G = 32) and 4 + 512 / G (5 at G = 32, 8 at 16).
  *
- * Two ways to multiply, the caller picks (cpu_quant.py: int8 where AVX512-VNNI runs):
+ * Two ways to multiply, the caller picks (cpu_quant.py: int8 wherever the kernels have it):
  * - float: each k step's 16 values masked out of their lanes in place, converted to float32
  *   and multiplied into the rows of x with FMAs, a group summed apart and then scaled:
  *   out += scale * sum_k x[k] q[k] + min * sum_k x[k]. A value masked in place is q * 2^s (s
@@ -32,7 +32,7 @@
  *   the same for every k (each byte is moved to the lane's top, its sign bit flipped back) and
  *   2^-24 goes into the scale instead. GCC's vector extensions: AVX-512, AVX2 or SSE, what
  *   -march=native has.
- * - int8 (AVX512-VNNI only): each row of x quantized per group of G to int8 (scale
+ * - int8 (AVX2 or later): each row of x quantized per group of G to int8 (scale
  *   max|x| / 127, round to nearest even), then vpdpbusd does 64 multiply-adds an instruction
  *   where an FMA does 16: the matmul of the dequantized weights by the dequantized activations,
  *   to rounding. What llama.cpp does on every CPU (its Q8 activations). Its error is the
@@ -40,9 +40,37 @@
  *   0.5% of an output's RMS, where the weights' own rounding is 7.7% (4 bits, Q4_1's groups of
  *   32) or the same 0.5% (8 bits, Q8_0's). A row's result does not depend on the other rows
  *   (integer sums, the same float steps for each row), so a batch decodes as its rows alone.
+ *   Without AVX512-VNNI (AMD Zen 2 / 3, Intel before Ice Lake, Intel's client chips) the same
+ *   on 256-bit vectors, each 64-byte chunk as two 32-byte halves (columns 0-7 and 8-15, the
+ *   same layout): AVX-VNNI's vpdpbusd where -march has it, else vpmaddubsw and vpmaddwd, as
+ *   llama.cpp on AVX2 (int8_rows on 256 bits: how vpmaddubsw's int16 saturation is kept
+ *   off). The same integer sums and float steps: the same results, bit for bit, at either
+ *   width (tests/unit/engine/kernels/test_cpu_quant_avx2.py builds this file for x86-64-v3).
  * A mins term uses the activations' per-group sums (float, or int for int8), computed once a
  * row. 8-bit values are stored offset by 128 so that they are vpdpbusd's unsigned operand:
  * sum x q = sum x (q + 128) - 128 sum x.
+ *
+ * The 256-bit int8 path against the float one: x86-64-v3 builds (AVX2, FMA, F16C; the second
+ * with -mavxvnni), run as such on this project's host (a 2-core Xeon VM with Sapphire Rapids'
+ * ISA; bench/kernels_quant.py --library: SmolLM2's matrices, one thread, x float32, median of
+ * 7 rounds, ms a pass), 2026-12-05, while other jobs kept the host at load 5-6 (every figure
+ * 3-5x a quiet host's, the 1-row ones, bound by the shared memory, most):
+ *
+ *                          1 row   8 rows  32 rows
+ *   q4g32 float             67.1    150.5    508.8
+ *   q4g32 int8  AVX2        19.5     48.4    125.9
+ *   q4g32 int8  AVX-VNNI    26.4     61.6    123.3    (its float path: 74.1, 216.2, 529.9)
+ *   q8g32 float             80.9    227.0    543.5
+ *   q8g32 int8  AVX2        36.3     74.4    181.0
+ *   q8g32 int8  AVX-VNNI    40.1     71.5    123.5    (its float path: 94.5, 236.8, 571.4)
+ *
+ * Over two such runs int8 was 2.8-3.4x faster than float at one row and 3.1-4.3x from 8 rows
+ * (4 bits), 1.9-2.2x and 2.2-3.1x (8 bits). Counted in CPU time instead (gate_up's and down's
+ * shapes, 2-3 MB, which the load skews less): 4.0-4.4x at every row count (4 bits), 3.1-3.4x
+ * (8 bits); there, from 8 rows, AVX-VNNI's int8 path is 1.2x faster than AVX2's (4 bits) and
+ * 1.6-1.7x (8 bits: one vpdpbusd for vpsignb, vpmaddubsw, vpmaddwd, vpaddd), which the wall
+ * times above, one build after the other, are too noisy to show; and the 512-bit build is 3-4x
+ * faster than x86-64-v3's on the float path, 1.0-2.4x on the int8 path (more with more rows).
  *
  * Rows go in blocks of QROW_BLOCK (their prepared copies in the caller's scratch, from
  * quant_linear_scratch); threads split the panels (OpenMP, as panel_linear). Each block is
@@ -678,9 +706,9 @@ int64_t quant_linear_scratch(int64_t M, int64_t K, int64_t G) {
 
 /* out (M, N) float32 = x (M, K) @ W.T + bias. x: float32 or bfloat16 (dtype F32 / BF16);
  * packed: W as the header's layout, bits 4 or 8, G the group size (a multiple of 16 dividing
- * K); bias (N,) float32 or NULL; int8: quantize the activations (AVX512-VNNI only); scratch:
- * quant_linear_scratch(M, K, G) bytes. Returns 0; -1 where int8 is asked for without
- * AVX512-VNNI; -2 for a layout it does not take. */
+ * K); bias (N,) float32 or NULL; int8: quantize the activations (AVX2 or later); scratch:
+ * quant_linear_scratch(M, K, G) bytes. Returns 0; -1 where int8 is asked for of a build
+ * without it (quant_int8_available); -2 for a layout it does not take. */
 int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int64_t G,
                  const float *bias, float *out, int64_t M, int64_t N, int64_t K, int int8,
                  void *scratch, int threads) {

@@ -19,12 +19,13 @@ from engine.kernels import cpu_kernels
 from engine.quant.weight import QuantizedWeight
 
 PANEL = 16  # output columns per panel (cpu_quant.c's QP)
-# int8 activations (AVX512-VNNI) from this many rows, where the kernels have them: as fast as the
-# float path or faster at every row count measured (bench/kernels_quant.py, SmolLM2's matrices,
-# one thread: 4 bits 1.2-1.5x at 1 row, 8 bits the same there, both memory-bound; 2.3x at 8
-# rows and 2.4x at 32), and a row's result does not depend on the rows beside it (exact integer
-# sums, the same float steps per row), which the float path's row-count-dependent summation
-# order does not give. Their error is the activations' rounding (cpu_quant.c's header), as
+# int8 activations from this many rows, where the kernels have them (AVX2 or later): as fast as
+# the float path or faster at every row count measured (bench/kernels_quant.py, SmolLM2's
+# matrices, one thread; AVX512-VNNI: 4 bits 1.2-1.5x at 1 row, 8 bits the same there, both
+# memory-bound; 2.3x at 8 rows and 2.4x at 32; an x86-64-v3 build, AVX2: 2-3x at 1 row, 2-4x
+# from 8: cpu_quant.c's header), and a row's result does not depend on the rows beside it (exact
+# integer sums, the same float steps per row), which the float path's row-count-dependent
+# summation order does not give. Their error is the activations' rounding (cpu_quant.c's header), as
 # llama.cpp's Q8 activations have it; the float path is exact to rounding (int8_activations=False).
 INT8_MIN_ROWS = 1
 
@@ -92,8 +93,8 @@ def _halves(x: torch.Tensor, padded_n: int, name: str) -> torch.Tensor:
 
 @functools.cache
 def int8_available() -> bool:
-    """Whether the kernels were built with AVX512-VNNI (the int8-activation path); asked on
-    every call of a quantized matmul, so answered once."""
+    """Whether the kernels have the int8-activation path (built for AVX2, AVX-VNNI or
+    AVX512-VNNI: cpu_quant.c); asked on every call of a quantized matmul, so answered once."""
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.quant_int8_available())
 
@@ -106,7 +107,7 @@ def quant_linear(
 ) -> torch.Tensor:
     """x (..., K) @ W.T + bias in float32 (..., N), as cpu_kernels.panel_linear: x float32 or
     bfloat16 (other dtypes are widened to float32), bias (N,) or None. int8_activations:
-    quantize x per row and group (AVX512-VNNI); None picks it from INT8_MIN_ROWS rows where
+    quantize x per row and group (AVX2 or later); None picks it from INT8_MIN_ROWS rows where
     the kernels have it. Runs on torch's thread count."""
     lib = cpu_kernels.library()
     assert lib is not None
@@ -132,6 +133,6 @@ def quant_linear(
         int(int8_activations), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == -1:
-        raise ValueError("int8 activations need AVX512-VNNI, which these kernels lack")
+        raise ValueError("int8 activations need AVX2 (and FMA, F16C), which these kernels lack")
     assert status == 0, f"quant_linear: layout not taken ({status})"
     return out.reshape(*x.shape[:-1], n)

@@ -1,7 +1,8 @@
 """cpu_quant.c's 256-bit int8 path (AVX2's vpmaddubsw, or AVX-VNNI's vpdpbusd), which the
 library built for an AVX512-VNNI host never compiles: cpu_quant.c built on its own with the
-kernels' flags but -march=x86-64-v3 (AVX2, FMA, F16C; no AVX-512), and once more with -mavxvnni,
-each run on this host where it has those instructions.
+kernels' flags but -march=x86-64-v3 (AVX2, FMA, F16C; no AVX-512), once more with -mavxvnni,
+and for Skylake-X (AVX-512 without VNNI), each run on this host where it has those
+instructions; and an x86-64-v2 build, which has no int8 path.
 
 The int8 path is held to the float32 rounding bound against the matmul of the activations it
 quantized (test_cpu_quant's reference and tolerance), and to the library built for this host:
@@ -31,9 +32,12 @@ from tests.unit.engine.kernels.test_cpu_quant import (
 
 SOURCE = Path(cpu_kernels.__file__).with_name("cpu_quant.c")  # includes cpu_dtypes.h beside it
 K = 256
+V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}  # x86-64-v3, as /proc/cpuinfo names them
 BUILDS = {  # name: the -march flags, and the /proc/cpuinfo flags the host needs to run it
-    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "f16c", "bmi2", "movbe"}),
-    "avx-vnni": (("-march=x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx2": (("-march=x86-64-v3",), V3),
+    "avx-vnni": (("-march=x86-64-v3", "-mavxvnni"), V3 | {"avx_vnni"}),
+    # AVX-512 without its VNNI (Skylake-X): the 512-bit float path beside the 256-bit int8 one
+    "avx512-no-vnni": (("-march=skylake-avx512",), V3 | {"avx512f", "avx512bw", "avx512vl"}),
 }
 
 
@@ -72,31 +76,34 @@ def one_thread() -> Iterator[None]:
 def build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """cpu_quant.c alone, built with the kernels' flags for the ISA `request.param` names."""
     march, needs = BUILDS[request.param]
+    lib = compile_alone(march, needs, tmp_path_factory.mktemp(request.param))
+    assert lib.quant_int8_available() == 1
+    return lib
+
+
+def compile_alone(march: tuple[str, ...], needs: set[str], directory: Path) -> ctypes.CDLL:
+    """cpu_quant.c built with the kernels' flags but these -march ones; skips where this host
+    lacks the instructions to run it."""
     if missing := needs - _host_flags():
         pytest.skip(f"this host lacks {', '.join(sorted(missing))}")
     compiler = _compiler()
     assert compiler is not None
     flags = [f for f in cpu_kernels.FLAGS if f != "-march=native"]
-    target = tmp_path_factory.mktemp(request.param) / "cpu_quant.so"
+    target = directory / "cpu_quant.so"
     subprocess.run(
         [compiler, *flags, *march, str(SOURCE), "-o", str(target), *cpu_kernels.LIBS],
         check=True, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     lib = ctypes.CDLL(str(target))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quant_linear.restype = i32
-    lib.quant_linear.argtypes = [p, i32, p, i32, i64, p, p, i64, i64, i64, i32, p, i32]
-    lib.quant_linear_scratch.restype = i64
-    lib.quant_linear_scratch.argtypes = [i64, i64, i64]
-    lib.quant_int8_available.restype = i32
-    lib.quant_int8_available.argtypes = []
-    assert lib.quant_int8_available() == 1
+    for name in ("quant_linear", "quant_linear_scratch", "quant_int8_available"):
+        function = getattr(lib, name)
+        function.restype, function.argtypes = cpu_kernels._SIGNATURES[name]
     return lib
 
 
-def run(lib: ctypes.CDLL, x: torch.Tensor, packed: cpu_quant.PackedQuant,
-        bias: torch.Tensor | None, int8: bool) -> torch.Tensor:  # fmt: skip
-    """cpu_quant.quant_linear's call, on `lib`."""
+def call(lib: ctypes.CDLL, x: torch.Tensor, packed: cpu_quant.PackedQuant,
+         bias: torch.Tensor | None, int8: bool) -> tuple[int, torch.Tensor]:  # fmt: skip
+    """cpu_quant.quant_linear's call, on `lib`: its status and output."""
     m, n, k = x.shape[0], packed.out_features, packed.in_features
     out = torch.empty(m, n)
     scratch = torch.empty(lib.quant_linear_scratch(m, k, packed.group_size), dtype=torch.uint8)
@@ -105,6 +112,12 @@ def run(lib: ctypes.CDLL, x: torch.Tensor, packed: cpu_quant.PackedQuant,
         packed.group_size, cpu_kernels.address(bias), out.data_ptr(), m, n, k, int(int8),
         scratch.data_ptr(), 1,
     )  # fmt: skip
+    return status, out
+
+
+def run(lib: ctypes.CDLL, x: torch.Tensor, packed: cpu_quant.PackedQuant,
+        bias: torch.Tensor | None, int8: bool) -> torch.Tensor:  # fmt: skip
+    status, out = call(lib, x, packed, bias, int8)
     assert status == 0
     return out
 
@@ -167,3 +180,16 @@ def test_float_path_matches_the_dequantized_matmul(build: ctypes.CDLL, bits: int
         x = torch.randn(rows, K)
         bias = torch.randn(37)
         assert_within_rounding(run(build, x, packed, bias, int8=False), x, w, bias)
+
+
+def test_a_build_without_avx2_has_no_int8_path(tmp_path: Path) -> None:
+    """x86-64-v2 (SSE4.2): int8 refused (-1, which cpu_quant.quant_linear raises on), the float
+    path on SSE within rounding."""
+    lib = compile_alone(("-march=x86-64-v2",), {"sse4_2", "popcnt"}, tmp_path)
+    assert lib.quant_int8_available() == 0
+    torch.manual_seed(9)
+    w = random_weight(4, 32, n=37, k=K)
+    packed = cpu_quant.pack_quantized(w)
+    x = torch.randn(3, K)
+    assert call(lib, x, packed, None, int8=True)[0] == -1
+    assert_within_rounding(run(lib, x, packed, None, int8=False), x, w, None)
