@@ -676,7 +676,10 @@ ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, i
             for (int64_t k = 0; k < G; k += QP) amax = abs_max16(amax, load_x16(x, at + k, dtype));
             float m = 0.0f;
             for (int i = 0; i < QP; i++) m = amax[i] > m ? amax[i] : m;
-            v16f inv = splat16(m > 0.0f ? 127.0f / m : 0.0f);
+            /* 127 / m overflows where m < 127 / FLT_MAX (~4e-37): such a group counts as
+             * zeros, as one of zeros does, rather than x times infinity */
+            float factor = m > 0.0f ? 127.0f / m : 0.0f;
+            v16f inv = splat16(factor <= 0x1.fffffep127f ? factor : 0.0f);
             v16i sum = {};
             for (int64_t k = 0; k < G; k += QP)
                 sum += round16(load_x16(x, at + k, dtype) * inv, xq + at + k);

@@ -160,6 +160,25 @@ def test_same_outputs_as_the_library_built_for_this_host(build: ctypes.CDLL, bit
             assert torch.equal(run(build, x, packed, bias, int8=True), expected)
 
 
+def test_a_group_too_small_to_scale_counts_as_zeros(build: ctypes.CDLL) -> None:
+    """max|x| below 127 / FLT_MAX: 127 / max|x| is infinite, so the group is taken as zeros
+    (x times infinity made int8 values of INT_MIN and sums that overflowed: a row of such
+    groups came out ~1e-6, not 0), on either width."""
+    torch.manual_seed(10)
+    for bits in (4, 8):
+        w = random_weight(bits, 32, n=37, k=K)
+        packed = cpu_quant.pack_quantized(w)
+        x = torch.randn(3, K)
+        x[1] = torch.randn(K) * 1e-38  # subnormal or barely normal: 127 / 1e-38 > FLT_MAX
+        x[2, 32:64] = torch.randn(32) * 1e-38
+        out = run(build, x, packed, None, int8=True)
+        zeroed = x.clone()
+        zeroed[1], zeroed[2, 32:64] = 0, 0
+        assert_within_rounding(out, quantized_activations(zeroed, 32), w, None)
+        if cpu_kernels.library() is not None and cpu_quant.int8_available():
+            assert torch.equal(out, cpu_quant.quant_linear(x, packed, int8_activations=True))
+
+
 def test_int8_rows_do_not_depend_on_the_rows_beside_them(build: ctypes.CDLL) -> None:
     torch.manual_seed(8)
     for bits in (4, 8):
