@@ -673,9 +673,16 @@ ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, i
         for (int64_t g = 0; g < ng; g++) {
             int64_t at = r * K + g * G;
             v16f amax = splat16(0.0f);
-            for (int64_t k = 0; k < G; k += QP) amax = abs_max16(amax, load_x16(x, at + k, dtype));
+            v16i nan = {};
+            for (int64_t k = 0; k < G; k += QP) {
+                v16f v = load_x16(x, at + k, dtype);
+                amax = abs_max16(amax, v);
+                nan |= v != v;
+            }
             float m = 0.0f;
             for (int i = 0; i < QP; i++) m = amax[i] > m ? amax[i] : m;
+            for (int i = 0; i < QP; i++) /* NaN out, as the float path, not NaN's int8 */
+                if (nan[i]) m = NAN;
             /* 127 / m overflows where m < 127 / FLT_MAX (~4e-37): such a group counts as
              * zeros, as one of zeros does, rather than x times infinity */
             float factor = m > 0.0f ? 127.0f / m : 0.0f;

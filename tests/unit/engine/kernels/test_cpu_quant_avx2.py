@@ -179,6 +179,22 @@ def test_a_group_too_small_to_scale_counts_as_zeros(build: ctypes.CDLL) -> None:
             assert torch.equal(out, cpu_quant.quant_linear(x, packed, int8_activations=True))
 
 
+def test_a_nan_activation_makes_its_rows_outputs_nan(build: ctypes.CDLL) -> None:
+    """As on the float path (NaN times a weight), not the int8 of a NaN (x86's INT_MIN, which
+    the two widths narrowed to different bytes); the other rows as without it."""
+    torch.manual_seed(11)
+    for bits in (4, 8):
+        packed = cpu_quant.pack_quantized(random_weight(bits, 32, n=37, k=K))
+        x = torch.randn(3, K)
+        x[1, 40] = float("nan")
+        out = run(build, x, packed, None, int8=True)
+        assert bool(out[1].isnan().all()) and not bool(out[[0, 2]].isnan().any())
+        assert torch.equal(out[[0, 2]], run(build, x[[0, 2]], packed, None, int8=True))
+        if cpu_kernels.library() is not None and cpu_quant.int8_available():
+            native = cpu_quant.quant_linear(x, packed, int8_activations=True)
+            assert torch.equal(out.nan_to_num(), native.nan_to_num())
+
+
 def test_int8_rows_do_not_depend_on_the_rows_beside_them(build: ctypes.CDLL) -> None:
     torch.manual_seed(8)
     for bits in (4, 8):
