@@ -137,8 +137,8 @@ def _use_cpu_kernels(backend: AttentionBackend, cache: torch.Tensor) -> bool:
     if backend == "cpu":
         if not cpu_kernels.supports(cache):
             raise RuntimeError(
-                "attention backend 'cpu' needs a float32 or bfloat16 CPU cache, a head size "
-                "that is a multiple of 8, and a C compiler"
+                "attention backend 'cpu' needs a float32, bfloat16 or int8 CPU cache, a head "
+                "size that is a multiple of 8, and a C compiler"
             )
         return True
     return backend == "auto" and cpu_kernels.supports(cache)
