@@ -126,7 +126,7 @@ def test_auto_takes_the_c_kernels_on_cpu_and_the_torch_path_where_they_cannot(
     half_args = (q.half(), half.k, half.v, half.block_tables, half.context_lens, 0.125)
     out = attention.decode_attention(*half_args)
     torch.testing.assert_close(out, paged_decode_attention_ref(*half_args), atol=4e-3, rtol=4e-3)
-    with pytest.raises(RuntimeError, match="'cpu' needs a float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="'cpu' needs a float32, bfloat16 or int8"):
         attention.decode_attention(*half_args, backend="cpu")
     odd = cpu_cache([30, 7], 2, 12, 16, torch.float32)  # the C attention reads 8 values at once
     assert not cpu_kernels.supports(odd.k)
