@@ -29,8 +29,9 @@ def greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, list[tuple[list[int], list[float]]]]:
-    return {d: greedy(LLM("builtin:smollm2-135m", dtype=d)) for d in ("float32", "bfloat16")}
+def reference() -> list[tuple[list[int], list[float]]]:
+    """The dequantized model in float32: what every variant approximates."""
+    return greedy(LLM("builtin:smollm2-135m", dtype="float32"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -38,11 +39,15 @@ def reference() -> dict[str, list[tuple[list[int], list[float]]]]:
 def test_the_q4_gguf_runs_quantized_and_computes_its_dequantized_model(
     dtype: str, int8_activations: bool, reference: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Float activations: the dequantized model to summation order. int8 activations (prefill's
-    rows, where AVX512-VNNI has them; as llama.cpp multiplies Q4_1 by Q8_1 activations): the
-    same first tokens, log-probs within their rounding."""
+    """Float32 float activations: the dequantized model to summation order. bfloat16
+    activations or int8 ones (prefill's rows; as llama.cpp multiplies Q4_1 by Q8_1
+    activations): the same first tokens, log-probs within their rounding. Measured against the
+    float32 model on a Sapphire Rapids VM: the bfloat16 float model itself moves these
+    log-probs by up to 0.03 mean / 0.10 max (oneDNN's bfloat16 kernels differ by CPU: against
+    the bfloat16 model, as this test compared before, 4-bit's difference reached 0.061 here),
+    the 4-bit bfloat16 one by up to 0.04 / 0.12 (int8 activations) and 0.03 / 0.08 (float)."""
     if int8_activations and not cpu_quant.int8_available():
-        pytest.skip("these kernels have no int8 activation path (AVX512-VNNI)")
+        pytest.skip("these kernels have no int8 activation path (AVX2 or later)")
     monkeypatch.setattr(cpu_quant, "INT8_MIN_ROWS", 4 if int8_activations else 1 << 30)
     quantized = LLM("builtin:smollm2-135m-q4", dtype=dtype)
     layers = [m for m in quantized.engine.model.modules() if isinstance(m, Linear)]
@@ -51,13 +56,11 @@ def test_the_q4_gguf_runs_quantized_and_computes_its_dequantized_model(
         assert quantized.engine.model.lm_head.packed.bits == 8
         assert quantized.engine.model.c_decode_max_rows > 0  # decode: the one-call C step
     # float32 and float activations: summation order only; else the rounding of bfloat16
-    # weights (the reference's) or of int8 activations (ours): (max, mean) |difference|
+    # activations or of int8 ones: (max, mean) |difference|, the docstring's figures' bounds
     exact = dtype == "float32" and not int8_activations
-    max_diff, mean_diff = (2e-3, 2e-3) if exact else (0.3, 0.05)
+    max_diff, mean_diff = (2e-3, 2e-3) if exact else (0.3, 0.06)
     same = 0
-    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(
-        greedy(quantized), reference[dtype], strict=True
-    ):
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(greedy(quantized), reference, strict=True):
         same += ids == ref_ids
         pairs = enumerate(zip(ids, ref_ids, strict=False))  # up to the first difference
         common = next((i for i, (a, b) in pairs if a != b), min(len(ids), len(ref_ids)))
