@@ -74,6 +74,8 @@ from bench.llamacpp_peer import (
 from bench.llamacpp_peer import configuration as llamacpp_configuration
 from bench.serving import Cluster, free_port
 from engine.builtin_build import ensure_builtin
+from engine.host_memory import huge_page_buffer
+from engine.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -365,17 +367,28 @@ def _milliseconds(text: str) -> float:
 # --- the physical limit ---------------------------------------------------------------------------
 
 
-def read_bandwidth_gb_s() -> float:
-    """One core reading a 1 GB array: GB/s, the best of three. torch's vectorized sum on one
-    thread is the fastest read found here (33 GB/s; numpy's sum 17, a matrix-vector product 17),
-    so the bound it gives is one no server passes."""
+def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
+    """One core reading num_bytes: GB/s, the best of three runs of two readers, so that the
+    bound is one no server passes. torch's vectorized sum of a 4 KiB-paged array was the fastest
+    read on the project's first hosts (33 GB/s; numpy's sum 17, a matrix-vector product 17); on
+    a later one it read 10 GB/s where a read of huge pages with each line prefetched 64 KB ahead
+    (cpu_quant.c's stream_read, as the clusters read weights) read 21-25 at a step's size."""
     torch.set_num_threads(1)
-    data = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
     best = 0.0
     for _ in range(3):
         start = time.perf_counter()
         data.sum()
         best = max(best, data.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    del data
+    lib = cpu_kernels.library()
+    if lib is not None:
+        pages = huge_page_buffer(num_bytes // 256 * 256)
+        pages.fill_(1)  # every page in
+        for _ in range(3):
+            start = time.perf_counter()
+            lib.stream_read(pages.data_ptr(), pages.numel())
+            best = max(best, pages.numel() / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -418,6 +431,7 @@ class StepBytes:
 
 BOUND_FORMULA = (
     "bandwidth_bound_tokens_per_s = B * read_gb_s * 1e9 / step_bytes(B), B = concurrency; "
+    "read_gb_s: one core's fastest read of step_bytes(1) bytes (read_bandwidth_gb_s); "
     "step_bytes(B) = dense_bytes + expert_bytes * (1 - (1 - top_k / num_experts) ** B) "
     "(random routing; dense models: dense_bytes)"
 )
@@ -538,7 +552,9 @@ def main() -> None:
                 chosen = systems_for(target, systems)
                 if not args.skip_runs:
                     runs = run_target(args, target, chosen, bin_dir, llamacpp, workdir)
-                    summary = summarize(runs, args.concurrency, target_bytes(target), bandwidth)
+                    weights = target_bytes(target)  # the bound: its bytes at its size
+                    read_gb_s = max(bandwidth, read_bandwidth_gb_s(int(weights.at_batch(1))))
+                    summary = summarize(runs, args.concurrency, weights, read_gb_s)
                     summary["repeats"] = args.repeats
                     if target.gguf is not None and set(chosen) & set(OURS):
                         summary["cluster_dtype"] = target.cluster_dtype  # the activations'
@@ -631,7 +647,8 @@ def _earlier(out: Path, key: str) -> dict:
 
 def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights: StepBytes,
               bandwidth: float) -> dict:  # fmt: skip
-    # the bandwidth is measured once per run: each model's bound keeps the figure it was made with
+    # the bandwidth is measured per model, at its step's bytes: each keeps the figure it was made
+    # with
     summary: dict = {
         "weight_bytes": weights.weight_bytes, "dense_bytes": weights.dense_bytes,
         "expert_bytes": weights.expert_bytes, "num_experts": weights.num_experts,

@@ -89,6 +89,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "quant_linear": (_int, [_p, _int, _p, _int, _i64, _p, _p, *[_i64] * 3, _int, _p, _int]),
     "quant_linear_scratch": (_i64, [_i64, _i64, _i64]),
     "quant_int8_available": (_int, []),
+    "stream_read": (_i64, [_p, _i64]),
 }
 EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS
 MOE_CHUNK_BYTES = 64 << 20  # moe_experts' buffers: 320 tokens of a Qwen3-MoE layer at a time

@@ -216,3 +216,12 @@ def test_what_it_cannot_take_is_refused() -> None:
         cpu_quant.quant_linear(torch.randn(1, K + 1), packed)
     with pytest.raises(ValueError, match="bias"):
         cpu_quant.quant_linear(torch.randn(1, K), packed, torch.randn(N + 1))
+
+
+def test_stream_read_reads_every_byte() -> None:
+    """bench/peers.py's bandwidth bound times stream_read: it must read all n bytes (its
+    checksum is the sum of the buffer as int64 words)."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    words = torch.arange(1 << 16, dtype=torch.int64)  # 512 KB: past the prefetch distance
+    assert lib.stream_read(words.data_ptr(), words.numel() * 8) == int(words.sum())
