@@ -228,7 +228,7 @@ class LlamaCppWorker:
     def choice(self, ids: list[int]) -> dict[str, Any]:
         """A prompt's answer as local-completions reads it (echo, logprobs=1, one token)."""
         answer = self.ask({"score": ids})
-        following, lp = answer["next"]
+        _, lp = answer["next"]
         tops = [None if v is None else {"top": v} for v in answer["top"]] + [{"top": lp}]
         return {"logprobs": {"token_logprobs": [*answer["logprobs"], lp], "top_logprobs": tops}}
 
@@ -239,9 +239,13 @@ class LlamaCppWorker:
         ]
 
     def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        self.process.wait(60)
+        """End of input ends the worker (its pipes closed); killed if it has not ended within a
+        minute."""
+        try:
+            self.process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
 
 
 @contextmanager
@@ -250,8 +254,7 @@ def llamacpp_worker(python: Path, gguf: Path, n_ctx: int) -> Iterator[LlamaCppWo
     try:
         yield worker
     finally:
-        if worker.process.poll() is None:
-            worker.close()
+        worker.close()
 
 
 @contextmanager

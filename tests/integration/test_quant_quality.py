@@ -52,7 +52,7 @@ def llamacpp_built() -> bool:
 @pytest.mark.skipif(
     not llamacpp_built(),
     reason=f"llama.cpp's bindings are not built in {LLAMACPP_VENV} "
-    "(python -m bench.quant_quality builds them, ~8 min)",
+    "(python -m bench.quant_quality builds them: 8-17 min on 2 cores)",
 )
 def test_quantized_log_likelihoods_move_as_much_as_llama_cpps(tmp_path: Path) -> None:
     text = TEXT.read_text()[:CHARS]
