@@ -175,7 +175,16 @@ def llama_server_command(binary: Path, gguf: Path, model: str, port: int) -> lis
         "--parallel", str(SLOTS), "--cont-batching", "--ctx-size", str(SLOTS * SLOT_CONTEXT),
         "--batch-size", str(BATCH_TOKENS), "--ubatch-size", str(BATCH_TOKENS),
         "--metrics",  # tokens_generated() reads its count
+        *(["--no-repack"] if amx_host() else []),
     ]  # fmt: skip
+
+
+def amx_host() -> bool:
+    """A CPU with AMX_INT8, where this llama.cpp (0c1e570) segfaults on its first eval of a Q4_1
+    or Q8_0 file with its weights repacked for AMX: there it runs with --no-repack, the plain
+    path every other CPU runs these types on."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " amx_int8" in cpuinfo.read_text()
 
 
 # llama_cpp.server answers 400 to a request whose X-Request-ID is not a UUID (starlette-context's
@@ -212,6 +221,7 @@ def configuration() -> dict:
         "cmake_args": list(CMAKE_ARGS),
         "llama_server_cmake_args": list(SERVER_CMAKE_ARGS),
         "pinned_core": COMPUTE_CORE,
+        "no_repack": amx_host(),
         "threads": 1,
         "slots": SLOTS,
         "slot_context": SLOT_CONTEXT,
