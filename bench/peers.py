@@ -368,7 +368,7 @@ def _milliseconds(text: str) -> float:
 
 
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
-    """One core reading num_bytes: GB/s, the best of three runs of two readers, so that the
+    """One core reading num_bytes: GB/s, the best of 3 + 5 runs of two readers, so that the
     bound is one no server passes. torch's vectorized sum of a 4 KiB-paged array was the fastest
     read on the project's first hosts (33 GB/s; numpy's sum 17, a matrix-vector product 17); on
     a later one it read 10 GB/s where a read of huge pages with each line prefetched 64 KB ahead
@@ -385,7 +385,7 @@ def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
     if lib is not None:
         pages = huge_page_buffer(num_bytes // 256 * 256)
         pages.fill_(1)  # every page in
-        for _ in range(3):
+        for _ in range(5):
             start = time.perf_counter()
             lib.stream_read(pages.data_ptr(), pages.numel())
             best = max(best, pages.numel() / (time.perf_counter() - start) / 1e9)
