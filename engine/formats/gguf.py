@@ -5,7 +5,7 @@ checkpoint in between).
     load_gguf(path) -> GGUFCheckpoint(config, tensors)
         config   {"model_type": "llama", "hidden_size": 576, ...}: what config.json would say
         tensors  "model.layers.0.self_attn.q_proj.weight" -> QuantizedWeight (Q8_0, Q4_0, Q4_1,
-                 Q4_K, Q6_K; see gguf_blocks.py) or torch.Tensor (F32, F16, BF16 as stored)
+                 Q5_0, Q4_K, Q6_K; see gguf_blocks.py) or torch.Tensor (F32, F16, BF16 as stored)
 
 Architectures: llama (Llama 1-3, SmolLM, Mistral as llama.cpp converts it), qwen2, qwen3.
 llama.cpp's converter permutes the rows of a Llama's q and k projections (per head, the two

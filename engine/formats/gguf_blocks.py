@@ -7,6 +7,8 @@ A quantized (N, K) GGUF matrix stores each row as K / block_size blocks of type_
     type  bytes/values  block                                      QuantizedWeight
     Q8_0   34 / 32      d:f16 q[32]:i8              w = d q          8 bits, group 32, scale d
     Q4_0   18 / 32      d:f16 qs[16]                w = d (q - 8)    4 bits, group 32, d, min -8 d
+    Q5_0   22 / 32      d:f16 qh:u32 qs[16]         w = d (q - 16)   8 bits, group 32, values
+                                                                     q - 16, scale d
     Q4_1   20 / 32      d:f16 m:f16 qs[16]          w = d q + m      4 bits, group 32, d, min m
     Q4_K  144 / 256     d:f16 dmin:f16 sm[12] qs[128]                4 bits, group 32,
                         sub-block s (32 values): w = d sc_s q - dmin m_s    d sc_s, min -dmin m_s
@@ -14,7 +16,8 @@ A quantized (N, K) GGUF matrix stores each row as K / block_size blocks of type_
                         sub-block s (16 values): w = d sc_s (q - 32)        values q - 32, d sc_s
 
 Nibble order: Q4_0 / Q4_1 keep value j in the low nibble of qs[j] and value j + 16 in its high
-nibble; Q4_K does the same per 64 values (32 bytes: low nibbles first, then high). Q4_K's sm packs
+nibble, Q5_0 too with value j's fifth bit bit j of qh (little-endian); Q4_K does the same per 64
+values (32 bytes: low nibbles first, then high). Q4_K's sm packs
 eight 6-bit scales and eight 6-bit mins (sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7,
 sub-blocks 4-7 as a nibble of bytes 8-11 plus the top 2 bits of bytes 0-3 / 4-7). Q6_K's 6-bit
 q is 4 bits of ql and 2 of qh; each half of 128 values reads 64 ql bytes and 32 qh bytes, see
@@ -63,6 +66,15 @@ def _q4_1(blocks: np.ndarray) -> Unpacked:
     return _nibbles(blocks[..., 4:]), _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
 
 
+def _q5_0(blocks: np.ndarray) -> Unpacked:
+    """Stored as 8-bit values (q - 16 in -16..15): the 4-bit kernels have no fifth bit. llama.cpp
+    writes Q5_0 where a Q4_K_M file's rows are not a multiple of 256 (Qwen2.5-0.5B's 896)."""
+    qh = blocks[..., 2:6].copy().view("<u4")  # (N, blocks, 1)
+    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # (N, blocks, 32)
+    values = (_nibbles(blocks[..., 6:]) | (fifth << 4)).astype(np.int8) - np.int8(16)
+    return values, _f16(blocks, 0)[..., None], None
+
+
 def _q4_k(blocks: np.ndarray) -> Unpacked:
     n, num_blocks = blocks.shape[:2]
     d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
@@ -95,6 +107,7 @@ LAYOUTS: dict[GGMLQuantizationType, tuple[int, int, Callable[[np.ndarray], Unpac
     Q.Q8_0: (8, 32, _q8_0),
     Q.Q4_0: (4, 32, _q4_0),
     Q.Q4_1: (4, 32, _q4_1),
+    Q.Q5_0: (8, 32, _q5_0),
     Q.Q4_K: (4, 32, _q4_k),
     Q.Q6_K: (8, 16, _q6_k),
 }

@@ -33,8 +33,10 @@ from tests.unit.engine.formats.gguf_files import (
 
 # Offsets of each type's float16 fields in a block: random bytes there are replaced by finite
 # float16 values; every other byte (values, packed sub-block scales and mins) stays random.
-F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
-QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # gguf-py 0.19 quantizes these, not Q4_K / Q6_K
+F16_FIELDS = {
+    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)
+}  # fmt: skip
+QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0)  # gguf-py 0.19 quantizes these, not Q4_K / Q6_K
 
 
 def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
@@ -68,10 +70,12 @@ def test_blocks_dequantize_to_ggufs_own_float32_values(
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert weight.shape == (24, 512)
     assert torch.equal(weight.dequantize(), expected)  # float32 equality, every element
-    bits, group = {Q.Q6_K: (8, 16), Q.Q8_0: (8, 32)}.get(qtype, (4, 32))
+    bits, group = {Q.Q6_K: (8, 16), Q.Q8_0: (8, 32), Q.Q5_0: (8, 32)}.get(qtype, (4, 32))
     assert (weight.bits, weight.group_size) == (bits, group)
     if qtype == Q.Q6_K:  # signed 6-bit values in int8
         assert int(weight.values.min()) >= -32 and int(weight.values.max()) <= 31
+    if qtype == Q.Q5_0:  # signed 5-bit values in int8
+        assert int(weight.values.min()) >= -16 and int(weight.values.max()) <= 15
 
 
 def test_other_types_are_refused_by_name() -> None:
