@@ -6,8 +6,9 @@ where torch allocates them (4 KiB pages, each matrix on its own), that rate stay
 what the core can read: the L2 streamer stops at every 4 KiB page boundary and every page costs a
 TLB miss. In one private mapping advised as transparent huge pages (2 MiB pages; Linux's default
 THP mode, `madvise`, gives them only where asked), laid out layer after layer as the step reads
-them, the weights are one stream with few page boundaries (bench/kernels_quant.py's `arena`
-rows: the same kernels, the same bytes, read faster).
+them, the weights are one stream with few page boundaries. On the project's AMX host a 96 MB
+read went from 10.9 GB/s to 19.5 (25 with cpu_quant.c's prefetch), and SmolLM2 Q4_1's
+one-sequence decode step from 12.7 ms to 6.4 (the same kernels; bench/README.md).
 
 Only the matrices the C decode step and the LM head stream are moved: quantized blocks
 (cpu_quant.c), float32 panels, the bfloat16 pairs or panels kept beside oneDNN. Each is copied
