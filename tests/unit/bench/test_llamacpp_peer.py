@@ -16,6 +16,7 @@ from bench.llamacpp_peer import (
     LLAMACPP_VENV,
     LlamaCppInstall,
     LlamaCppServer,
+    amx_host,
     extra_body,
     llama_server_command,
     request_headers,
@@ -132,6 +133,7 @@ def test_llama_server_runs_one_thread_on_one_core_with_a_slot_per_client() -> No
     assert flags["--threads"] == flags["--threads-batch"] == "1"
     assert int(flags["--ctx-size"]) // int(flags["--parallel"]) >= 256 + 128
     assert int(flags["--parallel"]) >= 32
+    assert ("--no-repack" in command) == amx_host()  # where repacking for AMX crashes it
 
 
 @pytest.mark.long
