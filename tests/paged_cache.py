@@ -4,7 +4,12 @@ held to against the reference."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # imported late below: engine's layers import the Triton kernels
+    from engine.models.layers import AttentionMetadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {  # (atol, rtol): about two units in the last place of outputs of magnitude ~2
@@ -48,3 +53,25 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     atol, rtol = TOLERANCE[ref.dtype]
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def decode_metadata(
+    lens: list[int], block_size: int, blocks_per_seq: int
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A decode-only batch over consecutive block tables: sequence i has lens[i] tokens cached
+    and decodes one more. Returns (positions, metadata)."""
+    from engine.models.layers import AttentionMetadata
+
+    tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
+    positions = torch.tensor(lens)
+    slots = tables[torch.arange(len(lens)), positions // block_size].long() * block_size + (
+        positions % block_size
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
+        decode_context_lens=(positions + 1).to(torch.int32),
+        prefill_block_tables=torch.zeros(0, blocks_per_seq, dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+    )  # fmt: skip
+    return positions, meta

@@ -28,7 +28,7 @@ from engine.kernels.reference import (
 from engine.llm import LLM
 from engine.model_config import RopeConfig
 from engine.models.layers import RMSNorm, RotaryEmbedding
-from tests.paged_cache import PagedCache, assert_close
+from tests.paged_cache import PagedCache, assert_close, decode_metadata
 
 ROOT = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this host")
@@ -281,7 +281,6 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
     from engine.model_config import ModelConfig
     from engine.models import llama
     from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
-    from engine.models.layers import AttentionMetadata
 
     torch.manual_seed(3)
     config = ModelConfig(
@@ -307,18 +306,7 @@ def test_decode_step_in_c_matches_the_python_forward(dtype: torch.dtype, layout:
     for cache in caches:  # the same random history in both
         torch.manual_seed(4)
         cache.pool.normal_()
-    tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
-    positions = torch.tensor(lens)
-    slots = tables[torch.arange(len(lens)), positions // block_size].long() * block_size + (
-        positions % block_size
-    )
-    meta = AttentionMetadata(
-        slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
-        decode_context_lens=(positions + 1).to(torch.int32),
-        prefill_block_tables=torch.zeros(0, blocks_per_seq, dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
-    )  # fmt: skip
+    positions, meta = decode_metadata(lens, block_size, blocks_per_seq)
     ids = torch.tensor([7, 250, 31])
     in_c = model(ids, positions, caches[0].layers, meta)
     model.c_decode_max_rows = 0

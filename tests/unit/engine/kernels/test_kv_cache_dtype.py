@@ -19,7 +19,7 @@ from engine.kernels.reference import (
     store_kv_ref,
 )
 from engine.model_config import ModelConfig, RopeConfig
-from tests.paged_cache import PagedCache, assert_close
+from tests.paged_cache import PagedCache, assert_close, decode_metadata
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler on this host")
 
@@ -143,7 +143,6 @@ def test_the_c_decode_step_stores_and_reads_the_cache_as_the_python_forward(
     from engine.linear import pack_linear_layers
     from engine.models import llama
     from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
-    from engine.models.layers import AttentionMetadata
 
     torch.manual_seed(3)
     config = ModelConfig(
@@ -169,18 +168,7 @@ def test_the_c_decode_step_stores_and_reads_the_cache_as_the_python_forward(
     history = kv_quant.to_cache(torch.randn(caches[0].pool.shape[:-1] + (8,)), kv_dtype)
     for cache in caches:  # the same random history in both
         cache.pool.copy_(history)
-    tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
-    positions = torch.tensor(lens)
-    slots = tables[torch.arange(len(lens)), positions // block_size].long() * block_size + (
-        positions % block_size
-    )
-    meta = AttentionMetadata(
-        slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
-        decode_context_lens=(positions + 1).to(torch.int32),
-        prefill_block_tables=torch.zeros(0, blocks_per_seq, dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
-    )  # fmt: skip
+    positions, meta = decode_metadata(lens, block_size, blocks_per_seq)
     ids = torch.tensor([7, 250, 31])
     in_c = model(ids, positions, caches[0].layers, meta)
     model.c_decode_max_rows = 0
