@@ -470,6 +470,7 @@ class Orchestrator:
         setattr(record, slot, worker)
         worker.active_tokens += record.load
         worker.request_ids.add(record.request_id)
+        worker.requests_routed += 1
 
     def release(self, record: RequestRecord, slot: str) -> None:
         worker: WorkerRecord | None = getattr(record, slot)

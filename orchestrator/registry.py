@@ -45,6 +45,7 @@ class WorkerRecord:
     stats: WorkerStats = field(default_factory=WorkerStats)
     active_tokens: int = 0  # prompt + max_tokens of the requests routed here and not yet ended
     request_ids: set[str] = field(default_factory=set)
+    requests_routed: int = 0  # requests assigned here since it registered (a total)
     drain_in_flight_told: int | None = None  # draining: the Drain.in_flight last sent to it
 
     @property
@@ -69,6 +70,7 @@ class WorkerRecord:
             pid=self.pid,
             address=self.address,
             state=self.state,
+            requests_routed=self.requests_routed,
             events_address=self.events_address,
             last_heartbeat_s=round(now - self.last_seen, 3),
             progress_age_s=self.progress_age_s,

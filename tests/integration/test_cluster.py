@@ -46,11 +46,21 @@ def complete(cluster: Cluster, prompt: str, **options) -> openai.types.Completio
 
 
 def test_greedy_completions_match_hf_generate(cluster: Cluster, hf_texts: dict[str, str]) -> None:
+    def routed(role: str) -> int:
+        return sum(w.requests_routed for w in cluster.info().workers if w.role == role)
+
+    routed_before = {role: routed(role) for role in ("context", "generation")}
     with ThreadPoolExecutor(4) as pool:  # concurrent requests share the continuous batch
         results = list(pool.map(lambda p: complete(cluster, p), TEST_PROMPTS))
     for prompt, result in zip(TEST_PROMPTS, results, strict=True):
         assert result.choices[0].text == hf_texts[prompt], prompt
         assert result.usage is not None and result.usage.completion_tokens >= 1
+    # each request was routed once to each stage the cluster has (aggregated: generation only)
+    has_context = any(w.role == "context" for w in cluster.info().workers)
+    assert {role: routed(role) - before for role, before in routed_before.items()} == {
+        "context": len(TEST_PROMPTS) if has_context else 0,
+        "generation": len(TEST_PROMPTS),
+    }
 
 
 def test_streamed_text_equals_the_whole_text(cluster: Cluster, hf_texts: dict[str, str]) -> None:

@@ -271,11 +271,18 @@ class Stream:
 
 
 def start_on(cluster: Cluster, prompt: str, max_tokens: int) -> tuple[Stream, str]:
-    """A stream, and the generation worker it decodes on (whose request count it raised)."""
-    before = {w.worker_id: w.active_requests for w in cluster.workers("generation")}
+    """A stream, and the generation worker it decodes on: the one the orchestrator routed one
+    more request to (a total, so a stream finishing meanwhile elsewhere cannot hide it)."""
+
+    def routed() -> dict[str, int]:
+        return {w.worker_id: w.requests_routed for w in cluster.workers("generation")}
+
+    before = routed()
     stream = Stream(cluster, prompt, max_tokens)
     assert stream.started.wait(30), "no first token"
-    after = {w.worker_id: w.active_requests for w in cluster.workers("generation")}
+    # the first token may reach the client before the orchestrator has chosen its decoder
+    wait_for(lambda: sum(routed().values()) > sum(before.values()), 10, "routed to a decoder")
+    after = routed()
     gens = [worker_id for worker_id in after if after[worker_id] > before.get(worker_id, 0)]
     assert len(gens) == 1, f"not one generation worker took the stream: {before} -> {after}"
     return stream, gens[0]
