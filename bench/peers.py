@@ -433,7 +433,9 @@ BOUND_FORMULA = (
     "bandwidth_bound_tokens_per_s = B * read_gb_s * 1e9 / step_bytes(B), B = concurrency; "
     "read_gb_s: one core's fastest read of step_bytes(1) bytes (read_bandwidth_gb_s); "
     "step_bytes(B) = dense_bytes + expert_bytes * (1 - (1 - top_k / num_experts) ** B) "
-    "(random routing; dense models: dense_bytes)"
+    "(random routing; dense models: dense_bytes). fraction_of_bound: output tok/s over the "
+    "bound (each request's prefill included); decode_fraction_of_bound: the same from the "
+    "inter-token p50 alone, step_bytes(B) / read_gb_s / itl_p50_s"
 )
 
 
@@ -665,6 +667,10 @@ def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights
             level[server] = median_of(by_level[c])
             level[server]["fraction_of_bound"] = round(
                 level[server]["output_tokens_per_s"] * step_s / c, 3
+            )
+            # the decode steps alone: each of the c streams gets a token every inter-token time
+            level[server]["decode_fraction_of_bound"] = round(
+                step_s / level[server]["itl_p50_s"], 3
             )
         for peer, server in _compared(list(runs)):
             level[f"{server}_vs_{peer}"] = round(

@@ -116,6 +116,8 @@ def test_the_clusters_throughput_and_ttft_are_given_as_multiples_of_llama_cpps()
     assert level["aggregated_ttft_vs_llamacpp"] == 0.5
     assert level["bandwidth_bound_tokens_per_s"] == 300.0  # 30 GB/s over 100 MB a step
     assert level["llamacpp"]["fraction_of_bound"] == pytest.approx(100 / 300, abs=1e-3)
+    # a 100 MB step at 30 GB/s takes 3.33 ms; a token every 10 ms is 0.333 of that rate
+    assert level["llamacpp"]["decode_fraction_of_bound"] == pytest.approx(1 / 3, abs=1e-3)
     assert not any("vllm" in key for key in level)
 
 
