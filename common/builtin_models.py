@@ -98,9 +98,33 @@ QWEN3_MOE_BENCH = BuiltinModel(
     "for benchmarks only; 1.9 GB in float32, 945 MB in bfloat16",
     builder="tools.tiny_arch.bench_moe:build_bench_moe",
 )
+# The exact shapes of three models users serve, random weights (tools/tiny_arch/bench_dense.py):
+# for benchmarks at realistic sizes only; SmolLM2's tokenizer grown to each vocabulary
+DENSE_BENCH = tuple(
+    BuiltinModel(
+        name=f"builtin:{name}-bench",
+        directory=f"{name}-bench-v1",
+        per_dtype=True,
+        tool_parser="hermes",
+        summary=f"{summary}, random weights: for benchmarks only",
+        builder=f"tools.tiny_arch.bench_dense:{builder}",
+    )
+    for name, builder, summary in (
+        ("qwen2.5-0.5b", "qwen2_5_0_5b", "Qwen2.5-0.5B's shapes (0.49B parameters, q/k/v biases)"),
+        ("qwen3-0.6b", "qwen3_0_6b", "Qwen3-0.6B's shapes (0.60B parameters, q/k norms)"),
+        ("llama-3.2-1b", "llama_3_2_1b", "Llama-3.2-1B's shapes (1.24B parameters, llama3 rope)"),
+    )
+)
 BUILTIN_MODELS = {
     model.name: model
-    for model in (TINY, SMOLLM2_135M, *SMOLLM2_135M_QUANTIZED, *TINY_ARCHES, QWEN3_MOE_BENCH)
+    for model in (
+        TINY,
+        SMOLLM2_135M,
+        *SMOLLM2_135M_QUANTIZED,
+        *TINY_ARCHES,
+        QWEN3_MOE_BENCH,
+        *DENSE_BENCH,
+    )
 }
 
 

@@ -16,35 +16,26 @@ head is then ~7% of the bytes a one-token step reads, as Qwen3-30B-A3B's 151,936
 ~9% of its 3.3B active parameters; with 49,152 tokens it would be nearly half, and this would
 benchmark a dense matmul more than the experts.
 
-Each matrix has std fan_in ** -0.5 and the embeddings std 1 (as tools/tiny_arch/build.py's
-init_random: activations keep their scale, nothing overflows in bfloat16), drawn from one seeded
-generator in name order on one thread and written straight to safetensors (no model object, no
-training), float32 or cast to bfloat16, in shards of at most 1 GiB with Hugging Face's index, so
-the same machine and torch give the same bytes.
+The weights: tools/tiny_arch/random_checkpoint.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from common.model_cache import progress
-from engine.config import DTYPES
+from tools.tiny_arch.random_checkpoint import write_random_weights
 from tools.tiny_model.build import (
     ENDOFTEXT_ID,
     IM_END_ID,
     VOCAB_SIZE,
-    fixed_threads,
     generation_config,
     write_json,
     write_tokenizer_files,
 )
 
 SEED = 20261206
-SHARD_BYTES = 1 << 30
 # The benchmark's sizes (module docstring); a test builds the same layout smaller.
 SIZES: dict[str, int] = {
     "hidden_size": 768,
@@ -137,30 +128,6 @@ def parameter_count(sizes: Mapping[str, int]) -> int:
     return layers * layer + 2 * sizes["vocab_size"] * hidden + hidden  # embedding, head, norm
 
 
-def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Norm scales near one, embeddings std 1, matrices std fan_in ** -0.5 (module docstring)."""
-    tensor = torch.empty(shape, dtype=torch.float32)
-    if name.endswith("norm.weight"):
-        return tensor.normal_(1.0, 0.1, generator=generator)
-    if name.endswith("embed_tokens.weight"):
-        return tensor.normal_(0.0, 1.0, generator=generator)
-    return tensor.normal_(0.0, shape[1] ** -0.5, generator=generator)
-
-
-def shard_plan(shapes: Mapping[str, tuple[int, ...]], element_bytes: int) -> list[list[str]]:
-    """Names in order, cut into shards of at most SHARD_BYTES (a larger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    filled = 0
-    for name, shape in shapes.items():
-        num_bytes = element_bytes * torch.Size(shape).numel()
-        if shards[-1] and filled + num_bytes > SHARD_BYTES:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
-        filled += num_bytes
-    return shards
-
-
 def build_bench_moe(
     path: Path, *, dtype: str = "float32", sizes: Mapping[str, int] | None = None
 ) -> Path:
@@ -171,38 +138,6 @@ def build_bench_moe(
     write_json(path / "config.json", model_config(sizes, dtype))
     write_json(path / "generation_config.json", {**generation_config(), "do_sample": False})
     write_tokenizer_files(path)
-    shapes = tensor_shapes(sizes)
-    torch_dtype = DTYPES[dtype]
-    shards = shard_plan(shapes, torch.empty((), dtype=torch_dtype).element_size())
-    files = _shard_names(len(shards))
-    generator = torch.Generator().manual_seed(SEED)
-    weight_map: dict[str, str] = {}
-    total_bytes = 0
-    with fixed_threads(1):
-        for names, file in zip(shards, files, strict=True):
-            tensors = dict(_draw(names, shapes, generator, torch_dtype))
-            save_file(tensors, str(path / file), metadata={"format": "pt"})
-            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            weight_map |= dict.fromkeys(names, file)
-            progress(f"qwen3-moe-bench: {file} written ({len(names)} tensors)")
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        write_json(path / "model.safetensors.index.json", index)
+    total_bytes = write_random_weights(path, tensor_shapes(sizes), dtype, SEED, "qwen3-moe-bench")
     progress(f"qwen3-moe-bench: {parameter_count(sizes):,} parameters, {total_bytes:,} bytes")
     return path
-
-
-def _draw(
-    names: list[str],
-    shapes: Mapping[str, tuple[int, ...]],
-    generator: torch.Generator,
-    dtype: torch.dtype,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in names:
-        yield name, random_tensor(name, shapes[name], generator).to(dtype)
-
-
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from common.sampling_params import SamplingParams
-from tools.tiny_arch import bench_moe
+from tools.tiny_arch import bench_moe, random_checkpoint
 from tools.tiny_model.build import TEST_PROMPTS, VOCAB_SIZE
 
 SMALL = {
@@ -86,7 +86,7 @@ def test_large_checkpoints_are_sharded_with_an_index(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(bench_moe, "SHARD_BYTES", 1 << 20)
+    monkeypatch.setattr(random_checkpoint, "SHARD_BYTES", 1 << 20)
     bench_moe.build_bench_moe(tmp_path, dtype="float32", sizes=SMALL)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
