@@ -98,6 +98,20 @@ class KVEventsConfig(_Section, frozen=True):
     buffer_steps: Positive = 10_000  # batches kept for replay
 
 
+class KVOffloadConfig(_Section, frozen=True):
+    """The KV offload tier (engine/kv_offload.py): blocks the pool evicts from its prefix cache
+    are kept in host memory (host_bytes, LRU) and, behind it, in files under disk_path (disk_bytes,
+    LRU), and copied back on a later prefix hit instead of being recomputed. host_bytes 0: off."""
+
+    host_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    disk_path: str | None = None  # a directory; each worker writes its own subdirectory
+    disk_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0
+
+
 class KVCacheConfig(_Section, frozen=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
     num_blocks: Positive = 2048
@@ -105,6 +119,7 @@ class KVCacheConfig(_Section, frozen=True):
     # auto: the model's dtype; bfloat16; int8 (a scale per row, engine/kernels/kv_quant.py)
     dtype: Literal["auto", "bfloat16", "int8"] = "auto"
     events: KVEventsConfig = KVEventsConfig()
+    offload: KVOffloadConfig = KVOffloadConfig()
 
 
 class TransferConfig(_Section, frozen=True):

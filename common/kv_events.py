@@ -25,7 +25,11 @@ import zmq
 
 from common.curve import serve
 
+# vLLM's `medium`: where a stored/removed block lives. "GPU" is the engine's pool on any device;
+# "CPU" and "DISK" are the offload tier's levels (engine/kv_offload.py).
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
 
 
 class BlockStored(msgspec.Struct, tag=True):

@@ -24,7 +24,7 @@ allocate() can hand out) == free + cached_free; a block has a hash iff the hash 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -55,6 +55,9 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._num_used = 0
         self._events: list[KVEvent] = []
+        # Called with (block id, hash) as a cached block is evicted, its KV still intact: the
+        # offload tier's copy-out (engine/kv_offload.py).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -176,6 +179,8 @@ class BlockPool:
         block_id, _ = self._evictable.popitem(last=False)
         block_hash = self._hash[block_id]
         assert block_hash is not None  # only hashed blocks enter the evictable queue
+        if self.on_evict is not None:
+            self.on_evict(block_id, block_hash)
         del self._cached[block_hash]
         self._hash[block_id] = None
         last = self._events[-1] if self._events else None

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from common.config import KVOffloadConfig
 from common.hub_models import cached_snapshot, parse_hub_id
 from engine.models.checkpoint import QUANTIZATIONS
 
@@ -35,6 +36,7 @@ class EngineConfig:
     # as vLLM's --quantization: auto | gguf | compressed-tensors | gptq | awq | dequantize
     # (engine/models/checkpoint.py QUANTIZATIONS)
     quantization: str = "auto"
+    kv_offload: KVOffloadConfig = KVOffloadConfig()  # kv_cache.offload: off unless host_bytes
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.block_hash import ExtraKey, block_hashes, hash_block
 from engine.block_pool import BlockPool, KVEvent
+
+if TYPE_CHECKING:
+    from engine.kv_offload import KVOffload
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,11 +47,19 @@ class KVCacheManager:
     """Block tables keyed by sequence id, with prefix caching through the shared pool."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._seqs: dict[str, _SeqBlocks] = {}
+        # evicted cached blocks are copied out to it, and prefix misses it holds copied back in
+        self.offload = offload if enable_prefix_caching else None
+        if self.offload is not None:
+            self.pool.on_evict = self.offload.offload
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,12 +91,56 @@ class KVCacheManager:
         parent: int | None = None
         for i in range(max_blocks):
             block = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, block, extra_keys)
-            block_id = self.pool.get_cached_block(parent)
+            block_hash = hash_block(parent, block, extra_keys)
+            block_id = self.pool.get_cached_block(block_hash)
             if block_id is None:
+                if self.offload is not None and block_hash in self.offload:
+                    hits += self._restore(token_ids, extra_keys, hits, i, parent, max_blocks)
                 break
             hits.append(block_id)
+            parent = block_hash
         return hits, len(hits) * self.block_size
+
+    def _restore(
+        self,
+        token_ids: Sequence[int],
+        extra_keys: tuple[ExtraKey, ...],
+        hits: list[int],
+        start: int,
+        parent: int | None,
+        max_blocks: int,
+    ) -> list[int]:
+        """Continue the prefix from block `start` with the offload tier: each block it holds is
+        copied into a fresh pool block and cached there, as if it had never left. Returns those
+        blocks (and pool hits met on the way), cached-free like any prefix hit.
+
+        The pool hits are pinned meanwhile: allocating a restore target may evict cached-free
+        blocks, and must not evict this prompt's own head.
+        """
+        assert self.offload is not None
+        pool, size = self.pool, self.block_size
+        pool.touch(hits)
+        found: list[int] = []
+        try:
+            for i in range(start, max_blocks):
+                block = token_ids[i * size : (i + 1) * size]
+                block_hash = hash_block(parent, block, extra_keys)
+                block_id = pool.get_cached_block(block_hash)
+                if block_id is not None:
+                    pool.touch([block_id])
+                elif block_hash in self.offload and pool.num_free_blocks > 0:
+                    [block_id] = pool.allocate(1)
+                    if not self.offload.restore(block_hash, block_id):
+                        pool.free([block_id])  # no hash: back to the plain free queue
+                        break
+                    pool.cache_block(block_id, block_hash, parent, block)
+                else:
+                    break
+                found.append(block_id)
+                parent = block_hash
+        finally:
+            pool.free(hits + found)  # head first; leaves them cached-free, most recently used
+        return found
 
     def allocate_slots(
         self, seq_id: str, num_total_tokens: int, computed_blocks: Sequence[int] = ()
@@ -173,7 +229,14 @@ class KVCacheManager:
         return list(self._seqs[seq_id].block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:  # AllBlocksCleared drops the tiers' hashes too
+            self.offload.clear()
+        return True
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        events = self.pool.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
+        return events

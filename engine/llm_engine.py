@@ -28,6 +28,7 @@ from engine.host_memory import keep_freed_memory
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from engine.kv_offload import KVOffload
 from engine.linear import choose_layout, drop_decode_copies, pack_linear_layers
 from engine.model_runner import ModelRunner, PromptRows
 from engine.models import load_model, read_model_config
@@ -116,7 +117,12 @@ class LLMEngine:
             drop_decode_copies(self.model)
         if config.device == "cpu":
             place_streamed_weights(self.model)  # one huge-page stream in step order
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        offload = (
+            KVOffload(self.kv_cache.pool, config.kv_offload) if config.kv_offload.enabled else None
+        )
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, offload
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )

@@ -37,6 +37,7 @@ def engine_config(
         num_blocks=config.kv_cache.num_blocks,
         enable_prefix_caching=config.kv_cache.prefix_caching,
         kv_cache_dtype=config.kv_cache.dtype,
+        kv_offload=config.kv_cache.offload,
         quantization=config.quantization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
