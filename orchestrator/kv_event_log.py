@@ -2,7 +2,10 @@
 
 A bounded queue: a router that polls too slowly loses the oldest events (and can tell from the
 event_id gap). Each event says which worker it is about. TensorRT-LLM has no "cleared" event: the
-orchestrator reports a worker's AllBlocksCleared as the removal of every hash it holds.
+orchestrator reports a worker's AllBlocksCleared as the removal of every hash it holds. A block of
+the offload tier (engine/kv_offload.py) is stored at TensorRT-LLM's `cache_level` 1 (host memory,
+its secondary level) or 2 (disk), and its removal names its medium ("CPU", "DISK"), vLLM's field,
+as TensorRT-LLM's removals cannot say which level lost the block; a pool block's is "GPU".
 
     {"event_id": 7, "worker_id": "gen-0", "data": {"type": "stored", "parent_hash": null,
      "blocks": [{"type": "stored_block", "block_hash": 123, "cache_level": 0, "priority": 35,
@@ -16,9 +19,10 @@ from typing import Any
 
 import msgspec
 
-from common.kv_events import BlockStored
+from common.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, BlockStored
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+CACHE_LEVELS = {MEDIUM_GPU: 0, None: 0, MEDIUM_CPU: 1, MEDIUM_DISK: 2}
 
 
 class KVEventLog:
@@ -39,9 +43,12 @@ class KVEventLog:
     def stored(self, worker_id: str, event: BlockStored) -> None:
         self._append(worker_id, event)
 
-    def removed(self, worker_id: str, block_hashes: list[int]) -> None:
+    def removed(
+        self, worker_id: str, block_hashes: list[int], medium: str | None = MEDIUM_GPU
+    ) -> None:
         if block_hashes:
-            self._append(worker_id, {"type": "removed", "block_hashes": block_hashes})
+            data = {"type": "removed", "block_hashes": block_hashes, "medium": medium or MEDIUM_GPU}
+            self._append(worker_id, data)
 
     def drain(self) -> bytes:
         """Every queued event as a JSON array, oldest first; the queue is emptied."""
@@ -59,12 +66,12 @@ class KVEventLog:
 
 
 def _stored(event: BlockStored) -> dict[str, Any]:
-    size = event.block_size
+    size, level = event.block_size, CACHE_LEVELS.get(event.medium, 0)
     blocks = [
         {
             "type": "stored_block",
             "block_hash": block_hash,
-            "cache_level": 0,
+            "cache_level": level,
             "priority": DEFAULT_PRIORITY,
             "tokens": [
                 {"type": "unique_token", "token_id": t, "token_extra_id": 0}

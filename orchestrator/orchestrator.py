@@ -267,11 +267,11 @@ class Orchestrator:
         index, log, worker_id = self.prefix_index, self.kv_events, message.worker_id
         for event in message.events:
             if isinstance(event, BlockStored):
-                index.stored(worker_id, event.block_hashes)
+                index.stored(worker_id, event.block_hashes, event.medium)
                 log.stored(worker_id, event)
             elif isinstance(event, BlockRemoved):
-                index.removed(worker_id, event.block_hashes)
-                log.removed(worker_id, event.block_hashes)
+                index.removed(worker_id, event.block_hashes, event.medium)
+                log.removed(worker_id, event.block_hashes, event.medium)
             else:  # cleared: TensorRT-LLM's consumers only know removals
                 log.removed(worker_id, sorted(index.held(worker_id)))
                 index.cleared(worker_id)
