@@ -9,12 +9,13 @@ copy queued for the writer. What the writer cannot keep up with is dropped, not 
     evict LRU (over capacity): forgotten at once; its file is unlinked by the writer
 
 Keys are the prefix cache's chained block hashes. The directory is this process's own (a fresh
-subdirectory of the configured path), removed by close(); a killed worker leaves it behind, and
-nothing ever reads another process's files.
+subdirectory of the configured path), removed by close() or at interpreter exit; a killed worker
+leaves it behind, and nothing ever reads another process's files.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import shutil
@@ -50,6 +51,7 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
         self._writer.start()
         self._closed = False
+        atexit.register(self.close)  # a worker ending normally leaves no files
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -119,6 +121,7 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._jobs.put(None)
         self._writer.join(timeout=10)
         self._entries.clear()
