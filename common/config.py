@@ -122,6 +122,25 @@ class KVCacheConfig(_Section, frozen=True):
     offload: KVOffloadConfig = KVOffloadConfig()
 
 
+class SpeculativeConfig(_Section, frozen=True):
+    """Speculative decoding on the engines that decode (vLLM's --speculative-config): each step
+    proposes up to num_speculative_tokens tokens per sequence, which one forward verifies."""
+
+    # ngram: prompt lookup, the last n tokens (prompt_lookup_max down to prompt_lookup_min) found
+    # earlier in the sequence propose what followed them there; no draft model
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
+    prompt_lookup_min: Positive = 1
+    prompt_lookup_max: Positive = 4
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+
 class TransferConfig(_Section, frozen=True):
     backend: Literal["nixl"] = "nixl"
     lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
@@ -196,6 +215,7 @@ class ClusterConfig(_Section, frozen=True):
     generation_workers: GenerationWorkersConfig = GenerationWorkersConfig()
     postproc_workers: PostprocWorkersConfig = PostprocWorkersConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
+    speculative: SpeculativeConfig | None = None  # off unless given
     transfer: TransferConfig = TransferConfig()
     security: SecurityConfig = SecurityConfig()
     cpu: CpuConfig = CpuConfig()

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from common.config import KVOffloadConfig
+from common.config import KVOffloadConfig, SpeculativeConfig
 from common.hub_models import cached_snapshot, parse_hub_id
 from engine.models.checkpoint import QUANTIZATIONS
 
@@ -37,6 +37,8 @@ class EngineConfig:
     # (engine/models/checkpoint.py QUANTIZATIONS)
     quantization: str = "auto"
     kv_offload: KVOffloadConfig = KVOffloadConfig()  # kv_cache.offload: off unless host_bytes
+    # n-gram speculative decoding on decoding sequences (engine/ngram_proposer.py); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -218,6 +218,22 @@ class KVCacheManager:
         self._seqs[child_id] = _SeqBlocks(shared + copy, parent.block_hashes[:num_full])
         return (parent.block_ids[num_full], copy[0]) if copy else None
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens: the slots a speculative step wrote
+        for proposals it rejected. Those blocks were never hashed (cache_blocks registers only
+        blocks full of computed tokens, and rejected ones are never counted computed).
+
+            before  [ 7 ][ 3 ][ 12 ][ 9 ]    num_tokens 9, block_size 4
+            after   [ 7 ][ 3 ][ 12 ]         block 9 (rejected slots only) back to the free queue
+        """
+        seq = self._seqs[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        tail = seq.block_ids[keep:]
+        if tail:
+            assert len(seq.block_hashes) <= keep, "a hashed block past the kept tokens"
+            del seq.block_ids[keep:]
+            self.pool.free(tail)
+
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks (tail first, see BlockPool.free); ignores unknown ids."""
         seq = self._seqs.pop(seq_id, None)

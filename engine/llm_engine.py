@@ -37,6 +37,7 @@ from engine.models.moe import use_expert_kernels
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_verify import verify
 from engine.thinking_budget import ThinkingTracker
 from engine.weight_arena import place_streamed_weights
 
@@ -72,6 +73,16 @@ class AdmissionCounters:
     prefix_cache_hit_tokens: int  # ... and found there
     num_admitted: int  # first admissions ...
     queue_seconds: float  # ... and the seconds they waited for them, in all
+
+
+@dataclass(slots=True)
+class SpecDecodeCounters:
+    """Since the engine started (vLLM's spec_decode counters): verification steps of a
+    sequence with proposals, the proposed tokens, and those accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 logger = logging.getLogger(__name__)
@@ -124,7 +135,11 @@ class LLMEngine:
             config.num_blocks, config.block_size, config.enable_prefix_caching, offload
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.speculative,
         )
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.kv, config.attention_backend, config.device
@@ -133,6 +148,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model
         self.num_generated_tokens = 0  # tokens sampled
+        self.spec = SpecDecodeCounters()
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
         )
@@ -384,6 +400,9 @@ class LLMEngine:
             - min(c.seq.num_prompt_tokens, c.seq.num_computed_tokens)
             for c in out.chunks
         )
+        seqs, logits, last_hidden, drafted, drafted_logits = _split_drafted(
+            seqs, logits, last_hidden
+        )
         beam_rows = [row for row, seq in enumerate(seqs) if seq.beam is not None]
         if beam_rows:  # the sampler sees the other rows only
             beams, beam_logits = [seqs[row] for row in beam_rows], logits[beam_rows]
@@ -397,8 +416,32 @@ class LLMEngine:
             self._output(seq, row, sampled, last_hidden if seq.params.embed else None, now)
             for row, seq in enumerate(seqs)
         ]
+        if drafted:
+            outputs += self._verify_drafts(drafted, drafted_logits, now)
         if beam_rows:
             outputs += self._advance_beams(beams, beam_logits, now)
+        return outputs
+
+    def _verify_drafts(
+        self, seqs: list[Sequence], logits: torch.Tensor, now: float
+    ) -> list[TokenOutput]:
+        """The speculating sequences' verdicts (engine/spec_verify.py): each emits its accepted
+        proposals and the target's token, in order, up to a stop (the last one carries it)."""
+        drafts = [seq.draft_token_ids for seq in seqs]
+        verified = verify(logits, [seq.sampling for seq in seqs], drafts)
+        self.spec.num_drafts += len(seqs)
+        self.spec.num_draft_tokens += sum(len(d) for d in drafts)
+        self.spec.num_accepted_tokens += sum(verified.num_accepted)
+        outputs, row = [], 0
+        for seq, token_ids in zip(seqs, verified.token_ids, strict=True):
+            num_appended = self.scheduler.accept_drafts(seq, token_ids)
+            self.num_generated_tokens += num_appended
+            for j in range(num_appended):
+                output = self._output(seq, row + j, verified.logprobs, None, now)
+                if j < num_appended - 1:
+                    output.finish_reason = None
+                outputs.append(output)
+            row += len(token_ids)
         return outputs
 
     def _advance_beams(
@@ -587,6 +630,27 @@ class LLMEngine:
                 f"the cache has {self.config.num_blocks}",
                 "max_tokens",
             )
+
+
+def _split_drafted(
+    seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor
+) -> tuple[list[Sequence], torch.Tensor, torch.Tensor, list[Sequence], torch.Tensor]:
+    """The runner's rows apart: the sequences without proposals (a row each: logits, hidden),
+    and the speculating ones with their 1 + len(proposals) logits rows each."""
+    if not any(seq.draft_token_ids for seq in seqs):
+        return seqs, logits, hidden, [], logits[:0]
+    plain, plain_rows, drafted, drafted_rows = [], [], [], []
+    row = 0
+    for seq in seqs:
+        num_rows = 1 + len(seq.draft_token_ids)
+        if seq.draft_token_ids:
+            drafted.append(seq)
+            drafted_rows.extend(range(row, row + num_rows))
+        else:
+            plain.append(seq)
+            plain_rows.append(row)
+        row += num_rows
+    return plain, logits[plain_rows], hidden[plain_rows], drafted, logits[drafted_rows]
 
 
 def _pooled(hidden: torch.Tensor) -> bytes:

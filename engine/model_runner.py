@@ -2,7 +2,8 @@
 
 Decode tokens (one new token for a sequence) go first and use the decode kernel; prefill chunks
 follow, packed back to back, and use the prefill/extend kernel. Only rows that end a sequence's
-known tokens are projected to logits.
+known tokens are projected to logits, and those of its speculative proposals (a speculating
+sequence's chunk is its last token and its proposals: it runs as an extend chunk).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class ModelRunner:
     def run(
         self, out: SchedulerOutput
     ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor, list[PromptRows]]:
-        """Forward the batch; returns the sequences that sample, their (rows, vocab) logits and
+        """Forward the batch; returns the sequences that sample, their (rows, vocab) logits (1 +
+        len(seq.draft_token_ids) rows each, in order: a proposal's row verifies the next) and
         (rows, hidden) final hidden states (what an embedding request pools), and the hidden
         states of every prompt position of chunks whose sequence wants prompt log-probs (the
         logits are made from them a slice at a time)."""
@@ -91,11 +93,17 @@ class ModelRunner:
         )  # (num_tokens, hidden)
         ends = [e - 1 for e in itertools.accumulate(c.num_new_tokens for c in chunks)]
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        # (num_sampling, hidden): each sampling chunk's last row
-        if rows == list(range(len(hidden))):  # one row a chunk, each samples: all of them
+        # each sampling chunk's last known token's row and its proposals' rows after it
+        row_index = [
+            r
+            for i in rows
+            for r in range(ends[i] - len(chunks[i].seq.draft_token_ids), ends[i] + 1)
+        ]
+        # (num_sampling_rows, hidden)
+        if row_index == list(range(len(hidden))):  # one row a chunk, each samples: all of them
             last_hidden = hidden
         else:
-            last_hidden = hidden[self._to(torch.tensor([ends[i] for i in rows], dtype=torch.long))]
+            last_hidden = hidden[self._to(torch.tensor(row_index, dtype=torch.long))]
         logits = self.model.logits(last_hidden)  # (num_sampling, vocab)
         prompt_rows = [
             PromptRows(c.seq, c.seq.num_computed_tokens,
@@ -114,6 +122,7 @@ class ModelRunner:
             start = c.seq.num_computed_tokens
             span = range(start, start + c.num_new_tokens)
             batch.token_ids.extend(c.seq.token_ids[start : span.stop])
+            batch.token_ids.extend(c.seq.draft_token_ids)  # after the last known token, if any
             batch.positions.extend(span)
             batch.slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
             batch.seq_index.extend([i] * c.num_new_tokens)

@@ -92,7 +92,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         x = adjust_logits(logits, states)  # (num_rows, vocab_size)
         token_ids = _choose(x, states)  # (num_rows,)
-        return _result(logits, token_ids, states)
+        return sample_result(logits, token_ids, states)
 
 
 def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -277,9 +277,11 @@ def _apply_min_p(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return x.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def _result(
+def sample_result(
     logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]
 ) -> SampleResult:
+    """The chosen tokens with their log-probs (and top alternatives) from the raw `logits`, for
+    the rows that asked (also the speculative verifier's, engine/spec_verify.py)."""
     ks = [s.params.logprobs for s in states]
     if all(k is None for k in ks):
         return SampleResult(token_ids.tolist(), None, None)

@@ -18,6 +18,14 @@ Held and pulling sequences own their blocks but are never scheduled; `abort` fre
 do parked ones: beams that offered their continuations and wait for the rest of their group
 (engine/beam_search.py); when nothing can run while beams are parked (their blocks are what is
 missing), the parked beams give their blocks back and compute their offers again later.
+
+With speculative decoding on, a decoding sequence's chunk is its last token plus up to k proposals
+(`Sequence.draft_token_ids`, engine/ngram_proposer.py), when the budget and free blocks allow
+(speculation never preempts). `accept_drafts` keeps the accepted proposals' KV and rewinds the rest:
+
+    token_ids  ... t  | d1 d2 d3        chunk of 4 computed; verdict: d1 accepted, d2 rejected
+    after      ... t d1 c               c: the target's token; t, d1 computed, c to run next step
+    blocks     slots of d2, d3 not counted computed; blocks past the tokens freed (trim)
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from common.config import SpeculativeConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.ngram_proposer import propose_ngram
 from engine.sampler import SampleResult
 from engine.sequence import Sequence, SequenceStatus
 
@@ -38,8 +48,10 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token: the step yields a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True when this chunk reaches the sequence's last token (its proposals, if any, after
+        it): the step yields a new token."""
+        num_known = self.num_new_tokens - len(self.seq.draft_token_ids)
+        return self.seq.num_computed_tokens + num_known == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -55,8 +67,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
+        self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -188,6 +202,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 1 and self.speculative is not None:
+                seq.draft_token_ids = self._propose(seq, self.speculative, budget - 1)
+                num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new, out.preempted):
                 break
             out.chunks.append(ScheduledChunk(seq, num_new))
@@ -199,6 +216,32 @@ class Scheduler:
             self._unpark_all()
             self._admit(budget, out)
         return out
+
+    def _propose(self, seq: Sequence, spec: SpeculativeConfig, room: int) -> list[int]:
+        """A decoding sequence's proposals, within `room` more tokens of the step's budget, its
+        max_tokens and the context length, their blocks allocated; [] when it does not speculate
+        (beam, grammar, thinking budget, prefill-only) or the blocks are not free."""
+        sampling = seq.sampling
+        if (
+            seq.beam is not None
+            or seq.prefill_only
+            or sampling.matcher is not None
+            or sampling.thinking is not None
+            or seq.params.embed
+        ):
+            return []
+        k = min(
+            spec.num_speculative_tokens,
+            room,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,  # room for the target's token
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        draft = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft and not self.kv.allocate_slots(
+            seq.seq_id, seq.num_computed_tokens + 1 + len(draft)
+        ):
+            return []
+        return draft
 
     def _unpark_all(self) -> None:
         """Nothing could run: the parked beams' blocks are what the rest of their groups need.
@@ -256,6 +299,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         _insert(self.waiting, seq)  # its old arrival: ahead of its level's later arrivals
 
@@ -268,7 +312,8 @@ class Scheduler:
         """
         for chunk in out.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_new_tokens
+            # proposals count as computed only once accepted (accept_drafts)
+            seq.num_computed_tokens += chunk.num_new_tokens - len(seq.draft_token_ids)
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_keys)
         for row, seq in enumerate(sampled_seqs):
             token_id = sampled.token_ids[row]
@@ -278,6 +323,28 @@ class Scheduler:
                 self._hold(seq, reason)
             elif reason is not None:
                 self._finish(seq, reason)
+
+    def accept_drafts(self, seq: Sequence, token_ids: list[int]) -> int:
+        """A speculating sequence's verdict, after `postprocess`: `token_ids` are its accepted
+        proposals then the target's token. The accepted proposals' KV counts as computed, the
+        rejected slots are rewound (their blocks freed); the tokens are appended up to a stop,
+        which finishes the sequence. Returns how many were appended."""
+        seq.draft_token_ids = []
+        num_computed = seq.num_computed_tokens + len(token_ids) - 1
+        reason, appended = None, 0
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            appended += 1
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = min(num_computed, seq.num_tokens)
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_keys)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.kv.trim(seq.seq_id, seq.num_tokens)
+        return appended
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

@@ -54,6 +54,9 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     beam: BeamGroup | None = None  # its request's beam search (SamplingParams.beam)
     beam_score: float = 0.0  # the beam's cumulative log-prob
+    # speculative proposals scheduled after the last token this step (engine/ngram_proposer.py);
+    # the step's verdict (engine/spec_verify.py) empties it
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -39,6 +39,7 @@ def engine_config(
         kv_cache_dtype=config.kv_cache.dtype,
         kv_offload=config.kv_cache.offload,
         quantization=config.quantization,
+        speculative=config.speculative,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=config.max_model_len,
@@ -117,6 +118,9 @@ def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -
         prefix_cache_hit_tokens=admission.prefix_cache_hit_tokens,
         num_admitted=admission.num_admitted,
         queue_seconds=admission.queue_seconds,
+        spec_decode_num_drafts=engine.spec.num_drafts,
+        spec_decode_num_draft_tokens=engine.spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=engine.spec.num_accepted_tokens,
     )
 
 

@@ -156,6 +156,24 @@ WORKER_FAMILIES: list[tuple[type, str, str, Callable[[WorkerInfo], float | None]
     (_C, "pdcluster_decode_tokens", "Tokens sampled", lambda w: _engine(w, w.generation_tokens)),
     (
         _C,
+        "pdcluster_spec_decode_num_drafts",
+        "Speculative verification steps (a sequence with proposals, one step)",
+        lambda w: _engine(w, w.spec_decode_num_drafts),
+    ),
+    (
+        _C,
+        "pdcluster_spec_decode_num_draft_tokens",
+        "Speculative tokens proposed",
+        lambda w: _engine(w, w.spec_decode_num_draft_tokens),
+    ),
+    (
+        _C,
+        "pdcluster_spec_decode_num_accepted_tokens",
+        "Speculative tokens accepted",
+        lambda w: _engine(w, w.spec_decode_num_accepted_tokens),
+    ),
+    (
+        _C,
         "pdcluster_nixl_transfer_bytes",
         "KV bytes pulled over NIXL",
         lambda w: _gen(w, w.kv_bytes_pulled),

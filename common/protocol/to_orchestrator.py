@@ -130,6 +130,11 @@ class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompts_recomputed: int = 0  # handed-off prompts prefilled again here (KV gone, unreadable)
     num_admitted: int = 0  # requests admitted to the engine's batch ...
     queue_seconds: float = 0.0  # ... and the seconds they waited for it, in all
+    # speculative decoding (vLLM's spec_decode counters): verification steps of a sequence with
+    # proposals, the tokens proposed, and those accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Heartbeat(_Message, tag="heartbeat"):
