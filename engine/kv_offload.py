@@ -31,14 +31,26 @@ from engine.kv_disk_tier import DiskTier
 logger = logging.getLogger(__name__)
 
 
+def signed64(block_hash: int) -> int:
+    """A block hash (unsigned 64-bit) as the int64 the directory stores."""
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
+
+
 class HostTier:
-    """A fixed slab of `num_slots` blocks in host memory, indexed by block hash, LRU."""
+    """A fixed slab of `num_slots` blocks in host memory, indexed by block hash, LRU.
+
+    `directory[slot]` says which hash the slot holds (0: none or being written) for peers that
+    read the slab over NIXL without asking (engine/kv_tier_share.py). A slot is rewritten as
+    directory 0 → data → directory hash, so a reader that sees the same hash before and after
+    its read of the data got that block whole.
+    """
 
     def __init__(self, block_shape: torch.Size, dtype: torch.dtype, num_slots: int, pin: bool):
         if num_slots < 1:
             raise ValueError("the host tier must hold at least one block")
         # (num_slots, num_layers, 2, block_size, num_kv_heads, row): the pool's block layout
         self.slots = torch.zeros((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
+        self.directory = torch.zeros(num_slots, dtype=torch.int64)  # signed64(hash) per slot
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, oldest first
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -61,19 +73,34 @@ class HostTier:
     def put(self, block_hash: int, block: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """Copy `block` in; when full, the LRU entry makes room and is returned as (hash, a copy
         of its data) for the next level. The caller checks the hash is not held yet."""
+        slot, evicted = self.take_slot()
+        self.slots[slot].copy_(block)
+        self.adopt(slot, block_hash)
+        return evicted
+
+    def take_slot(self) -> tuple[int, tuple[int, torch.Tensor] | None]:
+        """A slot to write, out of the index (directory 0), and the LRU entry evicted for it."""
         evicted = None
         if not self._free:
             old, slot = self._slot_of.popitem(last=False)
+            self.directory[slot] = 0
             evicted = (old, self.slots[slot].clone())
             self._free.append(slot)
-        slot = self._free.pop()
-        self.slots[slot].copy_(block, non_blocking=False)
+        return self._free.pop(), evicted
+
+    def adopt(self, slot: int, block_hash: int) -> None:
+        """A slot from take_slot, now written, holds `block_hash`."""
         self._slot_of[block_hash] = slot
-        return evicted
+        self.directory[slot] = signed64(block_hash)
+
+    def give_back(self, slot: int) -> None:
+        """A slot from take_slot that was not written after all."""
+        self._free.append(slot)
 
     def clear(self) -> None:
         self._free.extend(self._slot_of.values())
         self._slot_of.clear()
+        self.directory.zero_()
 
 
 class KVOffload:
@@ -110,6 +137,27 @@ class KVOffload:
         evicted = self.host.put(block_hash, self.pool[block_id])
         self.num_offloaded_blocks += 1
         self._record(BlockStored([block_hash], None, [], self.block_size, medium=MEDIUM_CPU))
+        self._spill(evicted)
+
+    def reserve_slots(self, num_slots: int) -> list[int]:
+        """Host slots for blocks a peer's tier will write (engine/kv_tier_share.py); each is then
+        adopted (`adopt`) or given back (`give_back`)."""
+        slots = []
+        for _ in range(min(num_slots, self.host.slots.shape[0])):
+            slot, evicted = self.host.take_slot()
+            self._spill(evicted)
+            slots.append(slot)
+        return slots
+
+    def adopt(self, slot: int, block_hash: int) -> None:
+        self.host.adopt(slot, block_hash)
+        self._record(BlockStored([block_hash], None, [], self.block_size, medium=MEDIUM_CPU))
+
+    def give_back(self, slot: int) -> None:
+        self.host.give_back(slot)
+
+    def _spill(self, evicted: tuple[int, torch.Tensor] | None) -> None:
+        """A block the host tier evicted goes to the disk tier, if any."""
         if evicted is None:
             return
         old, data = evicted

@@ -48,7 +48,7 @@ from nixl._api import (
     nixl_xfer_handle,
 )
 
-from common.protocol import KVPool
+from common.protocol import KVPool, TierRegion
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class KVTransferAgent:
             "NIXL_INIT_AGENT", self._block_descs(pool.data_ptr(), num_blocks), self.memory_kind
         )
         self._peers: dict[str, _Peer] = {}
+        self.tier: TierRegion | None = None  # set by engine/kv_tier_share.py, before info()
         self._live: dict[int, TransferHandle] = {}
         self._next_id = itertools.count()
         self._closed = False
@@ -133,11 +134,17 @@ class KVTransferAgent:
             kv_layout=self.kv_layout,
             device_id=self.device_id,
             memory_kind=self.memory_kind,
+            tier=self.tier,
         )
 
     @property
     def peer_names(self) -> list[str]:
         return list(self._peers)
+
+    @property
+    def nixl(self) -> nixl_agent:
+        """The NIXL agent itself, for engine/kv_tier_share.py's registrations and READs."""
+        return self._agent
 
     def add_peer(self, peer: KVPool) -> None:
         """Load a peer's metadata and prepare its block list once; each READ then picks indices."""

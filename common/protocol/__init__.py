@@ -80,7 +80,14 @@ from common.protocol.to_postproc import (
     pack_postproc_start,
     unpack_postproc_start,
 )
-from common.protocol.to_worker import Drain, KVPool, Refused, RegisterAgain, Registered
+from common.protocol.to_worker import (
+    Drain,
+    KVPool,
+    Refused,
+    RegisterAgain,
+    Registered,
+    TierRegion,
+)
 from common.protocol.wire import (
     count_token_ids,
     decode_token_ids,
@@ -159,6 +166,7 @@ __all__ = [
     "KVEvents",
     "KVEventsDrained",
     "KVPool",
+    "TierRegion",
     "Leaving",
     "Message",
     "OutputOptions",

@@ -12,6 +12,16 @@ import msgspec
 from common.protocol.wire import _Message
 
 
+class TierRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """A context worker's host offload tier, NIXL-registered beside its pool, that its peers read
+    without asking (engine/kv_tier_share.py): `num_slots` int64 hashes at `directory_address`,
+    `num_slots` blocks of the pool's block_num_bytes at `slots_address`."""
+
+    directory_address: int
+    slots_address: int
+    num_slots: int
+
+
 class KVPool(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's NIXL-registered KV pool, exchanged once at registration."""
 
@@ -25,6 +35,7 @@ class KVPool(msgspec.Struct, frozen=True, kw_only=True):
     # what a block holds (engine/kv_cache.py's KVCache.layout: KV dtype, layers, block size,
     # heads, head size): a reader refuses a peer whose blocks it would read as something else
     kv_layout: str = ""
+    tier: TierRegion | None = None  # its host offload tier, when kv_cache.offload is on
 
 
 class Registered(_Message, tag="registered"):

@@ -1,0 +1,84 @@
+"""Speculative decoding (cluster.yaml `speculative`, n-gram proposals) through a real cluster in
+both modes: greedy completions, streamed or not, with log-probs and a stop string, equal one
+engine in process without speculation; proposals are accepted (the spec_decode counters in
+/metrics); nothing is held after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from tests.integration.harness import MODEL, Cluster
+
+pytestmark = pytest.mark.long
+
+MAX_NEW = 40
+SPECULATIVE = "speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 3}\n"
+# prompts the tiny model copies from (proposals accepted) and one it does not
+PROMPTS = [
+    "one two three four five one two three four five one two three four five one two",
+    "def f(x):\n    return x + 1\n\ndef f(x):\n    return x + 1\n\ndef f(x):\n",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[tuple[list[int], list[float], str]]:
+    """Token ids, log-probs and text of each prompt's greedy completion, without speculation."""
+    llm = LLM(MODEL, block_size=16, num_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1, ignore_eos=True)
+    return [
+        (r.outputs[0].token_ids, r.outputs[0].logprobs, r.outputs[0].text)
+        for r in llm.generate(PROMPTS, params)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+def test_greedy_completions_equal_without_speculation_and_nothing_is_held(
+    mode: str,
+    start_cluster: Callable[..., Cluster],
+    expected: list[tuple[list[int], list[float], str]],
+) -> None:
+    cluster = start_cluster(mode, extra=SPECULATIVE)
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="-", timeout=60, max_retries=0)
+    options = {"model": MODEL, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 1}
+    body = {"return_token_ids": True, "ignore_eos": True}
+    for prompt, (tokens, logprobs, text) in zip(PROMPTS, expected, strict=True):
+        result = client.completions.create(prompt=prompt, extra_body=body, **options)
+        choice = result.choices[0]
+        assert list(choice.token_ids) == tokens  # type: ignore[attr-defined]
+        assert choice.logprobs is not None
+        assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4)
+        streamed = client.completions.create(prompt=prompt, extra_body=body, stream=True, **options)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text == text
+    # a stop string inside a run of accepted proposals: the text ends before it
+    prompt, text = PROMPTS[0], expected[0][2]
+    stop = text[len(text) // 2 :].split()[0]
+    cut = client.completions.create(prompt=prompt, stop=[stop], extra_body=body, **options)
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    info = cluster.wait_idle()
+    busy = [w for w in info.workers if w.blocks_used or w.blocks_leased or w.active_requests]
+    assert not busy, busy
+    decoders = [w for w in info.workers if w.role == "generation"]
+    assert sum(w.spec_decode_num_accepted_tokens for w in decoders) > MAX_NEW
+    scrape = _metrics(cluster)
+    accepted = scrape["pdcluster_spec_decode_num_accepted_tokens_total"]
+    proposed = scrape["pdcluster_spec_decode_num_draft_tokens_total"]
+    assert 0 < sum(accepted.values()) <= sum(proposed.values())
+
+
+def _metrics(cluster: Cluster) -> dict[str, dict]:
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    families: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.labels.get("worker"), sample.labels.get("role"))
+            families.setdefault(sample.name, {})[key] = sample.value
+    return families
