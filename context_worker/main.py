@@ -11,14 +11,18 @@ from common.entrypoint import run_worker
 from common.protocol import PROTOCOL_VERSION, Register
 from common.worker_process import WorkerProcess
 from context_worker.worker import ContextWorker
+from engine.kv_tier_share import TierShare
 from engine.worker_bridge import build_engine, kv_event_publisher
 
 
 def make_process(config: ClusterConfig, worker_id: str, context: zmq.Context) -> WorkerProcess:
     """The worker with its engine, its NIXL agent and its sockets."""
     engine, agent = build_engine(config, worker_id, config.context_workers)
+    # registered with NIXL before agent.info(): the registration's metadata must cover it
+    offload = engine.kv.offload
+    tier_share = TierShare(agent, offload) if offload is not None else None
     events = kv_event_publisher(config, worker_id, context)
-    worker = ContextWorker(config, worker_id, engine, agent)
+    worker = ContextWorker(config, worker_id, engine, agent, tier_share=tier_share)
     register = Register(
         worker_id=worker_id,
         role="context",

@@ -22,6 +22,7 @@ from common.protocol import (
     PrefillRequest,
     Profile,
     ProfileDone,
+    Registered,
     RequestFailed,
     TokenBatch,
     TokenDelta,
@@ -31,6 +32,7 @@ from common.protocol import (
 from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from context_worker.leases import LeaseTable
+from engine.kv_tier_share import TierShare
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.profiling import EngineProfiler
@@ -62,7 +64,8 @@ class Prefilling:
 
 class ContextWorker:
     """`agent`: the NIXL agent over the engine's KV pool (readers' notifications free leases);
-    `clock`: what the worker reads the time from (time.monotonic; tests pass their own)."""
+    `clock`: what the worker reads the time from (time.monotonic; tests pass their own);
+    `tier_share`: reads other context workers' host offload tiers (kv_cache.offload on)."""
 
     def __init__(
         self,
@@ -71,9 +74,11 @@ class ContextWorker:
         engine: LLMEngine,
         agent: KVTransferAgent,
         clock: Callable[[], float] = time.monotonic,
+        tier_share: TierShare | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine, self.agent = engine, agent
+        self.tier_share = tier_share
         self.clock = clock
         self.leases = LeaseTable(config.transfer.lease_seconds)
         self.prefilling: dict[str, Prefilling] = {}
@@ -93,6 +98,8 @@ class ContextWorker:
             self.start(message, now)
         elif isinstance(message, Abort):
             self.abort(message.request_id)
+        elif isinstance(message, Registered) and self.tier_share is not None:
+            self.tier_share.sync_peers(message.peers)
         elif isinstance(message, Profile):
             self.answer_profile(self.profiler.answer(message))
         return self.take_out()
@@ -131,6 +138,14 @@ class ContextWorker:
         request = prefill.request
         try:
             prompt = decode_token_ids(request.prompt_token_ids_b64)
+            if prefill.tier_peer is not None and self.tier_share is not None:
+                # a peer's tier holds more of the prompt: its blocks join this worker's tier,
+                # which the engine's prefix lookup restores from (nothing on failure: computed)
+                num_read = self.tier_share.fetch_prompt(
+                    prefill.tier_peer, self.engine.kv, prompt, request.extra_keys
+                )
+                logger.info("%s: %d prompt blocks read from %s's host tier",
+                            request.request_id, num_read, prefill.tier_peer)  # fmt: skip
             self.engine.add_request(
                 request.request_id,
                 prompt,
@@ -222,4 +237,6 @@ class ContextWorker:
 
     def close(self) -> None:
         self.profiler.close()
+        if self.tier_share is not None:
+            self.tier_share.close()
         self.agent.close()

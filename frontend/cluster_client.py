@@ -110,7 +110,9 @@ class ClusterClient:
         processes; the orchestrator is one loop): the prompt's length and block hashes."""
         prompt = decode_token_ids(request.prompt_token_ids_b64)
         request.num_prompt_tokens = len(prompt)
-        if self.config.orchestrator.router == "kv_aware":
+        # the kv_aware router scores workers by them; with the offload tier the orchestrator
+        # also finds a peer's tier holding the prompt by them
+        if self.config.orchestrator.router == "kv_aware" or self.config.kv_cache.offload.enabled:
             request.prompt_block_hashes = block_hashes(
                 prompt, self.config.kv_cache.block_size, request.extra_keys
             )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -228,7 +229,7 @@ class Orchestrator:
             # after the link is back, and new work sent behind that would arrive late, a
             # decode request after its KV lease ran out.
             out.append((worker.worker_id.encode(), RegisterAgain()))
-        elif worker.role == "generation" and message.peers_version != self.peers_version:
+        elif worker.role in self.peer_roles and message.peers_version != self.peers_version:
             out.append((worker.worker_id.encode(), self.peers()))  # a lost or missed update
 
     # --- drain (scaling down, a Kubernetes pod's preStop) ---------------------------------------
@@ -292,8 +293,17 @@ class Orchestrator:
         self._peer_names = names
         self.peers_version += 1
         update = self.peers()
-        for worker in self.registry.live("generation"):
-            out.append((worker.worker_id.encode(), update))
+        for role in self.peer_roles:
+            for worker in self.registry.live(role):
+                out.append((worker.worker_id.encode(), update))
+
+    @property
+    def peer_roles(self) -> tuple[str, ...]:
+        """Who reads context workers over NIXL: generation workers (leased KV) and, with the
+        offload tier on, context workers too (each other's host tiers)."""
+        if self.config.kv_cache.offload.enabled:
+            return ("generation", "context")
+        return ("generation",)
 
     # --- profiling (POST /start_profile, /stop_profile) ---------------------------------------
 
@@ -417,6 +427,7 @@ class Orchestrator:
             request=record.engine,
             postproc_address=record.postproc_address,
             postproc_start=record.postproc_start,
+            tier_peer=self.tier_peer(worker, workers, record),
         )
         out.append((worker.worker_id.encode(), prefill))
 
@@ -460,6 +471,18 @@ class Orchestrator:
             prefill=prefill,
         )
         out.append((worker.worker_id.encode(), decode))
+
+    def tier_peer(
+        self, worker: WorkerRecord, workers: Sequence[WorkerRecord], record: RequestRecord
+    ) -> str | None:
+        """The NIXL agent of a context worker whose host tier holds more of the prompt than
+        `worker` does (engine/kv_tier_share.py), or None."""
+        if not self.config.kv_cache.offload.enabled:
+            return None
+        others = (w.worker_id for w in workers if w is not worker)
+        peer_id = self.prefix_index.tier_peer(worker.worker_id, others, self.hashes(record))
+        peer = self.registry.workers.get(peer_id) if peer_id is not None else None
+        return peer.kv_pool.agent_name if peer is not None and peer.kv_pool else None
 
     @staticmethod
     def hashes(record: RequestRecord) -> list[int]:

@@ -16,7 +16,7 @@ import itertools
 import random
 from collections.abc import Iterable, Sequence
 
-from common.kv_events import MEDIUM_GPU
+from common.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from orchestrator.registry import WorkerRecord
 
 # A tier hit's worth against a pool hit (1) and a miss (0): restoring a block is a host-memory (or
@@ -129,6 +129,35 @@ class PrefixIndex:
             if count:
                 found[worker_id] = count
         return found
+
+    def tier_peer(
+        self, worker_id: str, others: Iterable[str], block_hashes: Sequence[int]
+    ) -> str | None:
+        """Another worker whose host tier (medium "CPU", readable over NIXL) holds the blocks
+        right after the prompt's prefix that `worker_id` holds, pool and tiers; the one with the
+        most of them, or None."""
+        if not self._tiers or not block_hashes:
+            return None
+        pool = self._blocks.get(worker_id, set())
+        own = self._tiers.get(worker_id, {}).values()
+        reach = 0
+        for block_hash in block_hashes:
+            if block_hash not in pool and not any(block_hash in t for t in own):
+                break
+            reach += 1
+        best, best_count = None, 0
+        for other in others:
+            host = self._tiers.get(other, {}).get(MEDIUM_CPU)
+            if not host or other == worker_id:
+                continue
+            count = 0
+            for block_hash in block_hashes[reach:]:
+                if block_hash not in host:
+                    break
+                count += 1
+            if count > best_count:
+                best, best_count = other, count
+        return best
 
 
 class KVAwareRouter:

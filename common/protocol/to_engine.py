@@ -48,6 +48,9 @@ class PrefillRequest(_Message, tag="prefill"):
     # A packed PostprocStart, forwarded to the postproc worker only if the first tokens end
     # the request (else the DecodeRequest brings it to the generation worker)
     postproc_start: msgspec.Raw
+    # The NIXL agent of another context worker whose host offload tier holds more of the prompt
+    # than this worker: read those blocks from it first (engine/kv_tier_share.py)
+    tier_peer: str | None = None
 
 
 class PrefillDone(_Message, tag="prefill_done"):

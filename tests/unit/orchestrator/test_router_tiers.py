@@ -7,10 +7,11 @@ import random
 
 from common.config import parse_cluster_config
 from common.kv_events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored
-from common.protocol import KVEvents
+from common.protocol import KVEvents, PrefillRequest, Registered
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.registry import WorkerRecord
 from orchestrator.router import TIER_HIT_WEIGHT, KVAwareRouter, PrefixIndex
+from tests.unit.orchestrator.test_orchestrator import FRONTEND, generate, register
 
 
 def workers(*loads: int) -> list[WorkerRecord]:
@@ -69,3 +70,37 @@ def test_orchestrator_indexes_and_logs_tier_events_by_medium() -> None:
     levels = [[b["cache_level"] for b in d["blocks"]] for d in logged if d["type"] == "stored"]
     assert levels == [[0, 0], [1, 1], [2]]
     assert [d["medium"] for d in logged if d["type"] == "removed"] == ["GPU", "CPU"]
+
+
+def test_tier_peer_is_the_worker_whose_host_tier_continues_the_prefix_furthest() -> None:
+    index = PrefixIndex()
+    hashes = [11, 12, 13, 14]
+    index.stored("w0", [11])  # the chosen worker holds block 0
+    index.stored("w1", [12, 13], MEDIUM_CPU)  # blocks 1-2, in its host tier
+    index.stored("w2", [12, 13, 14], MEDIUM_CPU)  # blocks 1-3
+    index.stored("w3", [12, 13, 14], MEDIUM_DISK)  # not readable by peers
+    assert index.tier_peer("w0", ["w1", "w2", "w3"], hashes) == "w2"
+    assert index.tier_peer("w0", ["w1", "w3"], hashes) == "w1"
+    assert index.tier_peer("w2", ["w0", "w1"], hashes) is None  # w0 has nothing past block 0
+    index.stored("w0", [12, 13, 14], MEDIUM_CPU)
+    assert index.tier_peer("w0", ["w1", "w2"], hashes) is None  # nothing the others add
+
+
+def test_prefill_names_a_peer_tier_and_context_workers_get_the_peer_set() -> None:
+    yaml = "kv_cache: {offload: {host_bytes: 1000000}}\norchestrator: {router: round_robin}"
+    orch = Orchestrator(parse_cluster_config(yaml))
+    outs = [register(orch, f"ctx-{i}", "context") for i in range(2)]
+    outs += [register(orch, "gen-0", "generation"), register(orch, "pp-0", "postproc")]
+    outs.append(orch.tick(1.0))
+    # with the tier on, context workers get the peer set too (each other's tiers)
+    updates = [(t, m) for out in outs for t, m in out if isinstance(m, Registered)]
+    assert {t for t, m in updates if len(m.peers) == 2} >= {b"ctx-0", b"ctx-1", b"gen-0"}
+    request = generate("cmpl-tier", num_tokens=40)
+    held = request.prompt_block_hashes[:2]
+    orch.on_kv_events(
+        KVEvents(worker_id="ctx-1", events=[BlockStored(held, None, [], 16, medium=MEDIUM_CPU)])
+    )
+    sent = [(t, m) for t, m in orch.handle(FRONTEND, request, 1.0) if isinstance(m, PrefillRequest)]
+    [(target, prefill)] = sent
+    expected = None if target == b"ctx-1" else "ctx-1-agent"
+    assert prefill.tier_peer == expected
