@@ -180,3 +180,20 @@ def test_reset_prefix_cache_empties_the_tier() -> None:
     assert kv.reset_prefix_cache()
     assert len(kv.offload.host) == 0
     assert kv.get_computed_blocks([1, 2, 3, 4, 5]) == ([], 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_pool_offloads_to_pinned_host_memory_and_disk(tmp_path: Path) -> None:
+    pool = _pool(4).cuda()
+    originals = pool.clone()
+    nbytes = _block_bytes(pool)
+    config = KVOffloadConfig(host_bytes=nbytes, disk_path=str(tmp_path), disk_bytes=2 * nbytes)
+    offload = KVOffload(pool, config)
+    assert offload.host.slots.is_pinned()
+    offload.offload(0, 1)
+    offload.offload(1, 2)  # block 0's copy moves on to the disk tier
+    pool.zero_()
+    assert offload.restore(1, 2) and offload.restore(2, 3)
+    assert offload.num_disk_restored_blocks == 1
+    assert torch.equal(pool[2], originals[0]) and torch.equal(pool[3], originals[1])
+    offload.close()

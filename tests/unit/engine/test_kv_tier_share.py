@@ -147,3 +147,30 @@ def test_reading_a_killed_peers_tier_gives_nothing_and_frees_its_slots(
     finally:
         share.close()
         agent.close()
+
+
+def test_a_slot_the_peer_rewrites_during_the_read_is_not_adopted(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer's loop runs on while a reader copies its slots: a block it evicts from its tier
+    meanwhile must not be taken for the one the reader wanted."""
+    (src_agent, src_offload, _), (_, rdr_offload, rdr_share) = pair
+    for block_id, block_hash in enumerate(HASHES[:2]):
+        src_offload.offload(block_id, block_hash)
+    rdr_share.sync_peers([src_agent.info()])
+    reads = []
+    real_read = TierShare._read
+
+    def read_then_peer_moves_on(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ok = real_read(self, *args, **kwargs)
+        reads.append(ok)
+        if len(reads) == 2:  # the slots are copied: now the peer fills its tier past full
+            for block_id in range(HOST_SLOTS - 1):
+                src_offload.offload(2 + block_id, 0x9000 + block_id)  # evicts HASHES[0] first
+        return ok
+
+    monkeypatch.setattr(TierShare, "_read", read_then_peer_moves_on)
+    assert rdr_share.fetch("ctx-src", HASHES[:2]) == 0  # the run breaks at its first block
+    assert reads == [True, True, True]
+    assert rdr_offload.host.hashes() == []  # both reserved slots given back
+    assert len(rdr_offload.host._free) == HOST_SLOTS
