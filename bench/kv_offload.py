@@ -5,11 +5,12 @@ Conversations are taken in turns, round robin, one request at a time: each turn'
 conversation so far (every earlier prompt and greedy answer) plus a new user turn of random token
 ids, so between two turns of one conversation the other conversations' turns push its blocks out
 of every engine worker's pool. Settings: the tier off; a host tier holding the whole working set;
-a host tier as small as the pool with a disk tier behind it. Reported per setting: TTFT p50 / p90
-(streamed, to the first chunk), the prompt tokens the engine workers ran through the model
-(WorkerInfo.prompt_tokens_computed, context and generation workers together), and whether any
-block is still used or leased once idle. The answers of all settings are compared token for
-token.
+a host tier as small as the pool with a disk tier behind it; and, with two context workers and
+the round_robin router, the tier off and on (each worker reads the other's host tier over NIXL).
+Reported per setting: TTFT p50 / p90 (streamed, to the first chunk), the prompt tokens the engine
+workers ran through the model (WorkerInfo.prompt_tokens_computed, context and generation workers
+together), whether any block is still used or leased once idle, and the blocks read from a peer's
+host tier. The answers of the settings are compared token for token.
 
     .venv/bin/python -m bench.kv_offload [--model builtin:smollm2-135m] [--out ...]
 """
@@ -37,6 +38,7 @@ from common.protocol import ClusterInfo
 from launcher.run import SERVING
 
 ROOT = Path(__file__).resolve().parents[1]
+PEER_READ = " prompt blocks read from "  # context_worker/worker.py's log line
 BLOCK_SIZE = 16
 TOKEN_RANGE = (100, 1000)  # random user-turn ids: ordinary tokens in every supported vocabulary
 
@@ -158,15 +160,20 @@ def summarize(run: Run, info: ClusterInfo) -> dict[str, object]:
 
 
 class BenchCluster:
-    """`orchestrator up` in disaggregated mode on free loopback ports; stopped with SIGTERM."""
+    """`orchestrator up` (disaggregated unless `mode` says) on free loopback ports; stopped with
+    SIGTERM. `extra`: more top-level cluster.yaml lines (bench/spec_decode.py's speculative, the
+    peers setting's context workers); `router`: the orchestrator's."""
 
-    def __init__(self, model: str, kv_cache: str, workdir: Path, name: str) -> None:
+    def __init__(
+        self, model: str, kv_cache: str, workdir: Path, name: str,
+        mode: str = "disaggregated", extra: str = "", router: str = "kv_aware",
+    ) -> None:  # fmt: skip
         port = free_port()
         config = workdir / f"{name}.yaml"
         config.write_text(
-            f"model: {model}\nmode: disaggregated\nfrontend: {{port: {port}}}\n"
-            f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware}}\n'
-            f"kv_cache: {{block_size: {BLOCK_SIZE}, {kv_cache}}}\n"
+            f"model: {model}\nmode: {mode}\nfrontend: {{port: {port}}}\n"
+            f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: {router}}}\n'
+            f"kv_cache: {{block_size: {BLOCK_SIZE}, {kv_cache}}}\n{extra}"
         )
         self.log_path = workdir / f"{name}.log"
         with self.log_path.open("wb") as log:
@@ -188,13 +195,44 @@ class BenchCluster:
             self.process.wait(30)
 
 
-def measure(model: str, workload: Workload, kv_cache: str, workdir: Path, name: str) -> tuple:
-    cluster = BenchCluster(model, kv_cache, workdir, name)
+def measure(
+    model: str, workload: Workload, kv_cache: str, workdir: Path, name: str, **cluster: str
+) -> tuple[Run, dict[str, object]]:
+    """One setting's cluster, run and figures; `cluster`: BenchCluster's extra and router."""
+    bench_cluster = BenchCluster(model, kv_cache, workdir, name, **cluster)
     try:
-        run = run_multi_turn(cluster.url, model, workload)
-        return run, summarize(run, wait_idle_info(cluster.url))
+        run = run_multi_turn(bench_cluster.url, model, workload)
+        figures = summarize(run, wait_idle_info(bench_cluster.url))
     finally:
-        cluster.stop()
+        bench_cluster.stop()
+    figures["peer_tier_blocks_read"] = sum(
+        int(line.split(PEER_READ)[0].split()[-1])
+        for line in bench_cluster.log_path.read_text(errors="replace").splitlines()
+        if PEER_READ in line
+    )
+    return run, figures
+
+
+def peers_results(model: str, host_bytes: int, workdir: Path) -> dict[str, object]:
+    """Two context workers, round robin, 7 conversations: a conversation's turns alternate
+    between the workers, so its history was last computed on the other one; with the tier on,
+    that worker's host tier is read over NIXL (engine/kv_tier_share.py)."""
+    workload = Workload(conversations=7, turns=4)
+    cluster = {"extra": "context_workers: {count: 2}\n", "router": "round_robin"}
+    results: dict[str, object] = {
+        "workload": asdict(workload) | {"working_set_blocks": workload.working_set_blocks},
+        "cluster": "2 context workers, 1 generation worker, router round_robin",
+    }
+    answers = []
+    for name, kv_cache in (
+        ("off", offload_yaml(workload, 0)),
+        ("host_tier", offload_yaml(workload, host_bytes)),
+    ):
+        run, results[name] = measure(model, workload, kv_cache, workdir, f"peers-{name}", **cluster)
+        results[name]["kv_cache"] = kv_cache  # type: ignore[index]
+        answers.append(run.answers)
+    results["answers_identical"] = answers[0] == answers[1]
+    return results
 
 
 def main() -> None:
@@ -226,7 +264,8 @@ def main() -> None:
             run, results[name] = measure(args.model, workload, kv_cache, Path(tmp), name)
             results[name]["kv_cache"] = kv_cache.replace(tmp, "$TMP")  # type: ignore[index]
             answers[name] = run.answers
-    results["answers_identical"] = all(a == answers["off"] for a in answers.values())
+        results["answers_identical"] = all(a == answers["off"] for a in answers.values())
+        results["two_context_workers"] = peers_results(args.model, host_bytes, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
