@@ -19,11 +19,11 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import KVOffload
 from engine.kv_tier_share import TierShare
 from engine.kv_transfer import KVTransferAgent
+from tests.unit.engine.test_kv_transfer import TIMEOUT_S, spawned
 
 NUM_BLOCKS = 16
 BLOCK_SHAPE = (2, 2, 4, 2, 8)  # (num_layers, K/V, block_size, num_kv_heads, head_dim)
 HOST_SLOTS = 8
-TIMEOUT_S = 20.0
 HASHES = [0x1111, 0x2222, 0x3333, (1 << 64) - 5]  # the last above 2**63: stored as int64
 
 
@@ -104,19 +104,8 @@ def serve_tier(conn: Connection, seed: int, timeout_s: float) -> None:
 
 @pytest.fixture
 def source_process() -> Iterator[tuple[mp.process.BaseProcess, Connection]]:
-    ctx = mp.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe()
-    process = ctx.Process(target=serve_tier, args=(child_conn, 7, TIMEOUT_S), daemon=True)
-    process.start()
-    try:
-        yield process, parent_conn
-    finally:
-        if process.is_alive():
-            parent_conn.send("stop")
-            process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+    with spawned(serve_tier) as source:
+        yield source
 
 
 def peer_info(conn: Connection) -> KVPool:

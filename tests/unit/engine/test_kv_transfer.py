@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -155,11 +156,14 @@ def serve_pool(conn: Connection, seed: int, timeout_s: float) -> None:
         conn.poll(timeout_s)  # the parent says stop (or dies)
 
 
-@pytest.fixture
-def source_process() -> Iterator[tuple[mp.process.BaseProcess, Connection]]:
+@contextmanager
+def spawned(
+    target: Callable[[Connection, int, float], None],
+) -> Iterator[tuple[mp.process.BaseProcess, Connection]]:
+    """`target(conn, seed 7, TIMEOUT_S)` in a spawned process, asked to stop (or killed) after."""
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
-    process = ctx.Process(target=serve_pool, args=(child_conn, 7, TIMEOUT_S), daemon=True)
+    process = ctx.Process(target=target, args=(child_conn, 7, TIMEOUT_S), daemon=True)
     process.start()
     try:
         yield process, parent_conn
@@ -170,6 +174,12 @@ def source_process() -> Iterator[tuple[mp.process.BaseProcess, Connection]]:
         if process.is_alive():
             process.kill()
             process.join(5)
+
+
+@pytest.fixture
+def source_process() -> Iterator[tuple[mp.process.BaseProcess, Connection]]:
+    with spawned(serve_pool) as source:
+        yield source
 
 
 def receive(conn: Connection) -> object:
