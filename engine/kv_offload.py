@@ -70,21 +70,14 @@ class HostTier:
             self._slot_of.move_to_end(block_hash)
         return slot
 
-    def put(self, block_hash: int, block: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """Copy `block` in; when full, the LRU entry makes room and is returned as (hash, a copy
-        of its data) for the next level. The caller checks the hash is not held yet."""
-        slot, evicted = self.take_slot()
-        self.slots[slot].copy_(block)
-        self.adopt(slot, block_hash)
-        return evicted
-
     def take_slot(self) -> tuple[int, tuple[int, torch.Tensor] | None]:
-        """A slot to write, out of the index (directory 0), and the LRU entry evicted for it."""
+        """A slot to write, out of the index (directory 0), and the LRU entry evicted for it as
+        (hash, the slot's data): a view, valid only until the slot is written."""
         evicted = None
         if not self._free:
             old, slot = self._slot_of.popitem(last=False)
             self.directory[slot] = 0
-            evicted = (old, self.slots[slot].clone())
+            evicted = (old, self.slots[slot])
             self._free.append(slot)
         return self._free.pop(), evicted
 
@@ -134,10 +127,12 @@ class KVOffload:
         """The pool is evicting `block_id` (its KV still valid): keep a copy under its hash."""
         if self.host.slot(block_hash) is not None:
             return  # restored from here earlier and unchanged since: the copy is current
-        evicted = self.host.put(block_hash, self.pool[block_id])
+        slot, evicted = self.host.take_slot()
+        self._spill(evicted)  # before the slot is overwritten: the disk tier copies it
+        self.host.slots[slot].copy_(self.pool[block_id])
+        self.host.adopt(slot, block_hash)
         self.num_offloaded_blocks += 1
         self._record(BlockStored([block_hash], None, [], self.block_size, medium=MEDIUM_CPU))
-        self._spill(evicted)
 
     def reserve_slots(self, num_slots: int) -> list[int]:
         """Host slots for blocks a peer's tier will write (engine/kv_tier_share.py); each is then
