@@ -130,7 +130,8 @@ class VllmServer:
     """`vllm serve` on a free port; the first start compiles (minutes), later ones reuse it."""
 
     def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path,
-                 profile_dir: Path | None = None):  # fmt: skip
+                 profile_dir: Path | None = None, extra_args: tuple[str, ...] = ()):  # fmt: skip
+        """`extra_args`: more `vllm serve` options (bench/spec_decode.py's --speculative-config)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / f"vllm-{dtype}.log").open("ab")
@@ -141,6 +142,7 @@ class VllmServer:
             profiler = {"profiler": "torch", "torch_profiler_dir": str(profile_dir),
                         "torch_profiler_with_stack": False, "ignore_frontend": True}  # fmt: skip
             command += ["--profiler-config", json.dumps(profiler)]
+        command += extra_args
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT,
             env=vllm_environment(bin_dir), start_new_session=True,
