@@ -141,6 +141,21 @@ class SpeculativeConfig(_Section, frozen=True):
             )
 
 
+class LoRAConfig(_Section, frozen=True):
+    """Multi-LoRA (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank): PEFT
+    adapters served beside the base model, each requested as `model: <name>`."""
+
+    # name -> PEFT directory (adapter_config.json + adapter_model.safetensors), loaded at start
+    # on every engine worker; POST /v1/load_lora_adapter adds more at run time
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    max_loras: Positive = 4  # adapters loaded at once, each in a resident slot of every layer
+    max_lora_rank: Positive = 16  # the largest rank r an adapter may have
+
+    def __post_init__(self) -> None:
+        if len(self.adapters) > self.max_loras:
+            raise ValueError(f"{len(self.adapters)} adapters but max_loras is {self.max_loras}")
+
+
 class TransferConfig(_Section, frozen=True):
     backend: Literal["nixl"] = "nixl"
     lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # context side frees after this
@@ -216,6 +231,7 @@ class ClusterConfig(_Section, frozen=True):
     postproc_workers: PostprocWorkersConfig = PostprocWorkersConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
     speculative: SpeculativeConfig | None = None  # off unless given
+    lora: LoRAConfig | None = None  # off unless given
     transfer: TransferConfig = TransferConfig()
     security: SecurityConfig = SecurityConfig()
     cpu: CpuConfig = CpuConfig()

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from common.config import KVOffloadConfig, SpeculativeConfig
+from common.config import KVOffloadConfig, LoRAConfig, SpeculativeConfig
 from common.hub_models import cached_snapshot, parse_hub_id
 from engine.models.checkpoint import QUANTIZATIONS
 
@@ -36,6 +36,7 @@ class EngineConfig:
     # as vLLM's --quantization: auto | gguf | compressed-tensors | gptq | awq | dequantize
     # (engine/models/checkpoint.py QUANTIZATIONS)
     quantization: str = "auto"
+    lora: LoRAConfig | None = None  # multi-LoRA (engine/lora/); None: no adapters
     kv_offload: KVOffloadConfig = KVOffloadConfig()  # kv_cache.offload: off unless host_bytes
     # n-gram speculative decoding on decoding sequences (engine/ngram_proposer.py); None: off
     speculative: SpeculativeConfig | None = None

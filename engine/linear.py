@@ -43,6 +43,7 @@ from engine.quant.weight import QuantizedWeight
 if TYPE_CHECKING:
     from engine.kernels.cpu_quant import PackedQuant
     from engine.kernels.quant_matmul import TritonQuant
+    from engine.lora.manager import LoRAStack
 
 Layout = Literal["plain", "onednn", "panels", "quantized"]
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,6 +59,9 @@ class Linear(nn.Linear):
     # packs it for its kernel
     quantized: tuple[int, int, torch.dtype] | None = None
     packed: PackedQuant | TritonQuant | None = None
+    # the loaded LoRA adapters' matrices for this layer (engine/lora/manager.py), added to the
+    # output of the tokens whose adapter the step's batch names
+    lora: LoRAStack | None = None
 
     def quantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         """Take a quantized matrix in place of the float weight (at load, before the float
@@ -153,6 +157,12 @@ class Linear(nn.Linear):
         return 0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base_forward(x)
+        if self.lora is not None and self.lora.batch.slots is not None:
+            self.lora.add_to(x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1]))
+        return out
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "plain":
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])

@@ -30,6 +30,8 @@ from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from engine.kv_offload import KVOffload
 from engine.linear import choose_layout, drop_decode_copies, pack_linear_layers
+from engine.lora import lora_registry
+from engine.lora.registry import no_lora
 from engine.model_runner import ModelRunner, PromptRows
 from engine.models import load_model, read_model_config
 from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
@@ -144,6 +146,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.kv, config.attention_backend, config.device
         )
+        self.loras = lora_registry(self.model, config.lora)  # None: no adapters (engine/lora/)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model
@@ -275,6 +278,26 @@ class LLMEngine:
     def release_held(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """POST /v1/load_lora_adapter on this worker; ValueError (nothing changed) when LoRA is
+        off, the adapter is unreadable or does not fit, or every slot is taken."""
+        if self.loras is None:
+            raise ValueError("LoRA is off on this engine (cluster.yaml lora)")
+        self.loras.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """ValueError when it is not loaded, or a sequence still runs with it."""
+        if self.loras is None:
+            raise ValueError("LoRA is off on this engine (cluster.yaml lora)")
+        s = self.scheduler
+        live = [*s.waiting, *s.running, *s.parked.values()]
+        live += [seq for seqs in (*s.held.values(), *s.pulling.values()) for seq in seqs]
+        self.loras.unload(name, live)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        return [] if self.loras is None else self.loras.names
+
     @property
     def num_held_blocks(self) -> int:
         return len(
@@ -294,6 +317,8 @@ class LLMEngine:
         params: SamplingParams,
         extra_keys: tuple[ExtraKey, ...],
     ) -> Sequence:
+        # its adapter's keys (engine/lora/registry.py); InvalidRequest if not loaded here
+        extra_keys = self.loras.sequence_keys(extra_keys) if self.loras else no_lora(extra_keys)
         sampling = SamplingState(
             params=params,
             prompt_token_ids=prompt_token_ids,

@@ -62,6 +62,8 @@ class ModelRunner:
         chunks = decodes + prefills
         block_tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
         batch = self._flatten(chunks, block_tables)
+        if self.model.lora_batch is not None:  # each token's adapter (engine/lora/manager.py)
+            self.model.lora_batch.set([c.seq for c in chunks], batch.seq_index, self.device)
         tables = _padded(block_tables)  # (num_chunks, max_blocks) int32
         total_lens = torch.tensor(
             [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=torch.int32

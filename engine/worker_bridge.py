@@ -39,6 +39,7 @@ def engine_config(
         kv_cache_dtype=config.kv_cache.dtype,
         kv_offload=config.kv_cache.offload,
         quantization=config.quantization,
+        lora=config.lora,
         speculative=config.speculative,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

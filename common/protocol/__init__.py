@@ -45,6 +45,7 @@ from common.protocol.to_engine import (
     PrefillDone,
     PrefillRequest,
     Profile,
+    lora_name_of,
     salt_extra_keys,
 )
 from common.protocol.to_frontend import (
@@ -193,6 +194,7 @@ __all__ = [
     "encode",
     "encode_token_ids",
     "pack_postproc_start",
+    "lora_name_of",
     "salt_extra_keys",
     "tail_token_ids",
     "unpack_postproc_start",

@@ -21,10 +21,23 @@ from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
 
 
-def salt_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
-    """What salts a request's block hashes: a cache_salt keeps tenants' prefixes apart. Engine
-    workers and the orchestrator's router must hash alike, so both read it here."""
-    return (("cache_salt", cache_salt),) if cache_salt else ()
+def salt_extra_keys(cache_salt: str | None, lora_name: str | None = None) -> tuple[ExtraKey, ...]:
+    """What salts a request's block hashes: a cache_salt keeps tenants' prefixes apart, a LoRA
+    adapter's name its KV apart from the base model's and other adapters'. Engine workers and the
+    orchestrator's router must hash alike, so both read it here."""
+    salt: tuple[ExtraKey, ...] = (("cache_salt", cache_salt),) if cache_salt else ()
+    return salt + ((LORA_KEY, lora_name),) if lora_name else salt
+
+
+LORA_KEY = "lora"
+
+
+def lora_name_of(extra_keys: tuple[ExtraKey, ...]) -> str | None:
+    """The LoRA adapter a request runs with, as its extra keys name it (None: the base model)."""
+    for key in extra_keys:
+        if isinstance(key, tuple) and len(key) >= 2 and key[0] == LORA_KEY:
+            return str(key[1])
+    return None
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -36,10 +49,11 @@ class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     sampling: SamplingParams
     cache_salt: str | None = None
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
-        return salt_extra_keys(self.cache_salt)
+        return salt_extra_keys(self.cache_salt, self.lora_name)
 
 
 class PrefillRequest(_Message, tag="prefill"):

@@ -39,6 +39,7 @@ class GenerateRequest(_Message, tag="generate"):
     reply_to: str  # the frontend's PULL address for this request's chunks
     cache_salt: str | None = None
     priority: int = 0
+    lora_name: str | None = None  # `model:` named a LoRA adapter (None: the base model)
     # Made by the frontend, where the tokens are, so that the orchestrator (the cluster's one
     # serial stage) never decodes a prompt: its length (load, the local-prefill threshold) and,
     # for the kv_aware router, its chained block hashes (common/block_hash.py)
@@ -47,7 +48,7 @@ class GenerateRequest(_Message, tag="generate"):
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
-        return salt_extra_keys(self.cache_salt)
+        return salt_extra_keys(self.cache_salt, self.lora_name)
 
     def engine_request(self) -> EngineRequest:
         """The part engine workers read (no output options, no routing fields)."""
@@ -57,6 +58,7 @@ class GenerateRequest(_Message, tag="generate"):
             sampling=self.sampling,
             cache_salt=self.cache_salt,
             priority=self.priority,
+            lora_name=self.lora_name,
         )
 
     def postproc_start(self) -> PostprocStart:

@@ -3,7 +3,8 @@ prefill, with sliding windows, soft caps and attention sinks) and KV stores, RMS
 Gemma's rounding, with its residual add, or per head in place for q/k norms), rotary embedding
 (full or partial), the MLP's SiLU- or GELU-and-product; the linear layers' panel matmul
 (cpu_linear.c, see engine/linear.py) and its weight-only quantized form (cpu_quant.c, called by
-cpu_quant.py); a MoE layer's experts grouped by expert (cpu_moe.c); and
+cpu_quant.py); a MoE layer's experts grouped by expert (cpu_moe.c); a mixed batch's LoRA
+adapters in one call (cpu_lora.c, called by lora.py); and
 a whole decode forward pass in one call (cpu_decode_step.c, its MoE layers in
 cpu_decode_moe.c, their top-k in torch.topk's order in cpu_topk.cpp: the one C++ source, built
 by the same compiler driver, which picks the language by the extension; its structures and call
@@ -48,7 +49,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_decode_moe.c", "cpu_moe.c",
-        "cpu_topk.cpp", "cpu_quant.c",
+        "cpu_topk.cpp", "cpu_quant.c", "cpu_lora.c",
     )
 )  # fmt: skip
 HEADERS = tuple(  # included by the sources
@@ -90,6 +91,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "quant_linear_scratch": (_i64, [_i64, _i64, _i64]),
     "quant_int8_available": (_int, []),
     "stream_read": (_i64, [_p, _i64]),
+    "lora_add": (None, [*[_p] * 6, *[_i64] * 4, _int]),
 }
 EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS
 MOE_CHUNK_BYTES = 64 << 20  # moe_experts' buffers: 320 tokens of a Qwen3-MoE layer at a time

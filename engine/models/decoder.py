@@ -24,6 +24,7 @@ from engine.models.layers import (
 )
 
 if TYPE_CHECKING:
+    from engine.lora.manager import LoRABatch
     from engine.models.cpu_decode import CStep
 
 
@@ -95,6 +96,7 @@ class CausalLM(nn.Module):
         self.c_decode_max_rows = 0
         self.c_decode_pairs = False  # its weights in bfloat16 pairs (kernels/cpu_linear.c)
         self._c_step: CStep | None = None  # the C step's table, made on its first call
+        self.lora_batch: LoRABatch | None = None  # the step's adapters (engine/lora/manager.py)
 
     def attach_rotary(self, max_positions: int) -> None:
         """Build the rotary tables (not checkpoint tensors: made after loading) for `max_positions`
@@ -130,7 +132,9 @@ class CausalLM(nn.Module):
         if positions.is_cpu and positions.numel() and int(positions.max()) >= self.max_positions:
             raise IndexError(f"position {int(positions.max())} is past the rotary tables' "
                              f"{self.max_positions} rows")  # fmt: skip
-        if 0 < meta.num_decode_tokens == x.shape[0] <= self.c_decode_max_rows:
+        # the C step has no LoRA: a step with adapters runs layer by layer (Linear adds them)
+        with_lora = self.lora_batch is not None and self.lora_batch.slots is not None
+        if 0 < meta.num_decode_tokens == x.shape[0] <= self.c_decode_max_rows and not with_lora:
             from engine.models.cpu_decode import decode_in_c
 
             return decode_in_c(self, x, positions, kv_caches, meta)
