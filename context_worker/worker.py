@@ -17,6 +17,7 @@ from common.config import ClusterConfig
 from common.errors import InvalidRequest
 from common.protocol import (
     Abort,
+    LoRACommand,
     Message,
     PrefillDone,
     PrefillRequest,
@@ -35,6 +36,7 @@ from context_worker.leases import LeaseTable
 from engine.kv_tier_share import TierShare
 from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
+from engine.lora.commands import apply_lora_command
 from engine.profiling import EngineProfiler
 from engine.worker_bridge import kv_events, to_delta, worker_stats
 
@@ -102,6 +104,10 @@ class ContextWorker:
             self.tier_share.sync_peers(message.peers)
         elif isinstance(message, Profile):
             self.answer_profile(self.profiler.answer(message))
+        elif isinstance(message, LoRACommand):
+            self.out.append(
+                (ORCHESTRATOR, apply_lora_command(self.engine, self.worker_id, message))
+            )
         return self.take_out()
 
     def step(self, now: float) -> Outbox:

@@ -22,7 +22,7 @@ from common.protocol import (
     encode_token_ids,
 )
 from common.sampling_params import SamplingParams
-from frontend import chat, completions, metrics
+from frontend import chat, completions, lora, metrics
 from frontend.endpoint import check_model, decode_body, json_response, off_loop, state_of
 from frontend.generation import error_response
 from frontend.model_info import ModelInfo
@@ -48,13 +48,19 @@ def model_card(model: ModelInfo) -> dict[str, object]:
 
 
 async def list_models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [model_card(state_of(request).model)]})
+    """The base model, then each LoRA adapter with the base as its `parent` (vLLM's shape)."""
+    state = state_of(request)
+    await lora.refresh_adapters(state)
+    cards = [model_card(state.model), *lora.adapter_cards(state)]
+    return json_response({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: Request) -> Response:
-    model = state_of(request).model
-    check_model(model, request.path_params["model_id"])
-    return json_response(model_card(model))
+    state = state_of(request)
+    name = request.path_params["model_id"]
+    if await lora.lora_of(state, name) is not None:
+        return json_response(next(c for c in lora.adapter_cards(state) if c["id"] == name))
+    return json_response(model_card(state.model))
 
 
 async def tokenize(request: Request) -> Response:

@@ -24,15 +24,17 @@ from frontend.endpoint import (
     translate,
 )
 from frontend.generation import serve
+from frontend.lora import lora_of, with_lora
 
 
 async def create_message(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, anthropic.MessagesRequest)
-    check_model(state.model, body.model)
+    lora_name = await lora_of(state, body.model)
     generates = await translate(
         lambda: [anthropic.to_generate_request(body, state.model, state.client.reply_to)]
     )
+    generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds
     return await serve(request, state.client, generates, media="anthropic", timeout_s=timeout_s)
 

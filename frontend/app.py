@@ -22,7 +22,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ClusterConfig
 from common.errors import InvalidRequest
-from frontend import admin_routes, anthropic_routes, metrics, openai_routes, responses_routes
+from frontend import (
+    admin_routes,
+    anthropic_routes,
+    lora,
+    metrics,
+    openai_routes,
+    responses_routes,
+)
 from frontend.batch_store import open_batch_store
 from frontend.cluster_client import ClusterClient
 from frontend.endpoint import FrontendState, NotFound
@@ -63,6 +70,8 @@ HTTP_ROUTES = [
         methods=["GET"],
     ),
     Route("/v1/models", admin_routes.list_models, methods=["GET"]),
+    Route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),
     Route("/v1/models/{model_id:path}", admin_routes.retrieve_model, methods=["GET"]),
     Route("/v1/tokenize", admin_routes.tokenize, methods=["POST"]),
     Route("/v1/detokenize", admin_routes.detokenize, methods=["POST"]),
@@ -99,6 +108,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
         model=model,
         response_store=response_store,
         batch_store=batch_store,
+        lora_adapters=dict(config.lora.adapters) if config.lora else {},
         batches=BatchRunner(
             batch_store,
             client,

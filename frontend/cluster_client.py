@@ -34,6 +34,8 @@ from common.protocol import (
     GenerateRequest,
     Heartbeat,
     KVEventsDrained,
+    LoRACommand,
+    LoRADone,
     Message,
     Profile,
     ProfileDone,
@@ -142,6 +144,10 @@ class ClusterClient:
         """Every engine worker's answer to POST /start_profile or /stop_profile, merged."""
         return await self._ask(Profile(action=action), ProfileDone, timeout_s)
 
+    async def lora(self, command: LoRACommand, timeout_s: float) -> LoRADone | None:
+        """Every engine worker's answer to a LoRA adapter load or unload, merged."""
+        return await self._ask(command, LoRADone, timeout_s)
+
     async def _ask(self, question: Message, answer: type[T], timeout_s: float) -> T | None:
         waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._waiters[answer].append(waiter)
@@ -165,7 +171,7 @@ class ClusterClient:
     def _on_orchestrator(self, message: Message | None) -> None:
         if isinstance(message, RequestFailed):
             self._deliver(message.request_id, message)
-        elif isinstance(message, ClusterInfo | KVEventsDrained | ProfileDone):
+        elif isinstance(message, ClusterInfo | KVEventsDrained | ProfileDone | LoRADone):
             waiters = self._waiters[type(message)]
             while waiters:  # answers come in order; skip waiters that timed out
                 waiter = waiters.popleft()

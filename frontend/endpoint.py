@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,6 +36,8 @@ class FrontendState:
     response_store: ResponseStore
     batch_store: BatchStore
     batches: BatchRunner
+    # the LoRA adapters served, name -> path: the orchestrator's table as last read (lora.py)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 def state_of(request: Request) -> FrontendState:

@@ -7,17 +7,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend import chat, completions, embeddings
-from frontend.endpoint import check_model, decode_body, state_of, translate
+from frontend.endpoint import decode_body, state_of, translate
 from frontend.generation import serve
+from frontend.lora import lora_of, with_lora
 
 
 async def create_completion(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, completions.CompletionRequest)
-    check_model(state.model, body.model)
+    lora_name = await lora_of(state, body.model)
     generates = await translate(
         completions.to_generate_requests, body, state.model, state.client.reply_to
     )
+    generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds
     return await serve(request, state.client, generates, timeout_s=timeout_s)
 
@@ -25,11 +27,12 @@ async def create_completion(request: Request) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, chat.ChatCompletionRequest)
-    check_model(state.model, body.model)
+    lora_name = await lora_of(state, body.model)
     allow_template = state.config.frontend.allow_request_chat_template
     generates = await translate(
         lambda: [chat.to_generate_request(body, state.model, state.client.reply_to, allow_template)]
     )
+    generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds
     return await serve(request, state.client, generates, timeout_s=timeout_s)
 
@@ -37,9 +40,10 @@ async def create_chat_completion(request: Request) -> Response:
 async def create_embedding(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, embeddings.EmbeddingRequest)
-    check_model(state.model, body.model)
+    lora_name = await lora_of(state, body.model)
     generates = await translate(
         embeddings.to_generate_requests, body, state.model, state.client.reply_to
     )
+    generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds
     return await serve(request, state.client, generates, timeout_s=timeout_s)

@@ -17,7 +17,6 @@ from starlette.responses import Response, StreamingResponse
 from frontend import responses
 from frontend.endpoint import (
     NotFound,
-    check_model,
     decode_body,
     json_response,
     off_loop,
@@ -25,6 +24,7 @@ from frontend.endpoint import (
     translate,
 )
 from frontend.generation import serve
+from frontend.lora import lora_of, with_lora
 from frontend.response_store import ResponseStore
 
 
@@ -32,7 +32,7 @@ async def create_response(request: Request) -> Response:
     state = state_of(request)
     store = state.response_store
     body = await decode_body(request, responses.ResponsesRequest)
-    check_model(state.model, body.model)
+    lora_name = await lora_of(state, body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = await off_loop(store.get, body.previous_response_id)
@@ -43,6 +43,7 @@ async def create_response(request: Request) -> Response:
     generates = await translate(
         lambda: [responses.to_generate_request(body, history, state.model, state.client.reply_to)]
     )
+    generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds
     answer = await serve(request, state.client, generates, media="responses", timeout_s=timeout_s)
     if not body.store or answer.status_code != 200:

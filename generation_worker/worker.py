@@ -26,6 +26,7 @@ from common.protocol import (
     DecodeRequest,
     FinishReason,
     KVPool,
+    LoRACommand,
     Message,
     PeersRequest,
     PrefillDone,
@@ -43,6 +44,7 @@ from common.stage_times import StageTimes
 from common.worker_process import ORCHESTRATOR, EngineFault, Outbox
 from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
+from engine.lora.commands import apply_lora_command
 from engine.profiling import EngineProfiler
 from engine.worker_bridge import kv_events, to_delta, worker_stats
 from generation_worker.arrival import ArrivalBound
@@ -145,6 +147,10 @@ class GenerationWorker:
             self.sync_peers(message.peers)
         elif isinstance(message, Profile):
             self.answer_profile(self.profiler.answer(message))
+        elif isinstance(message, LoRACommand):
+            self.out.append(
+                (ORCHESTRATOR, apply_lora_command(self.engine, self.worker_id, message))
+            )
         return self.take_out()
 
     def step(self, now: float) -> Outbox:

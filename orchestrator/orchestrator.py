@@ -39,6 +39,8 @@ from common.protocol import (
     KVEvents,
     KVEventsDrained,
     Leaving,
+    LoRACommand,
+    LoRADone,
     Message,
     PeersRequest,
     PrefillDone,
@@ -55,6 +57,7 @@ from common.protocol import (
     pack_postproc_start,
 )
 from orchestrator.kv_event_log import KVEventLog
+from orchestrator.lora_round import LoRARound
 from orchestrator.profile_round import ProfileRound
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import PrefixIndex, make_router
@@ -119,6 +122,10 @@ class Orchestrator:
         self._peer_names: tuple[str, ...] = ()  # the agents `peers_version` lists
         self._peers_checked = -1  # the registry version they were last checked against
         self.profile_round: ProfileRound | None = None
+        # the LoRA adapters served, name -> path (GET /v1/models): cluster.yaml's, then the
+        # outcome of each load / unload round (lora_round.py)
+        self.lora_adapters = dict(config.lora.adapters) if config.lora else {}
+        self.lora_round: LoRARound | None = None
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -154,6 +161,10 @@ class Orchestrator:
             self.on_profile(sender, message, now, out)
         elif isinstance(message, ProfileDone):
             self.on_profile_done(sender, message, out)
+        elif isinstance(message, LoRACommand):
+            self.on_lora(sender, message, now, out)
+        elif isinstance(message, LoRADone):
+            self.on_lora_done(sender, message, out)
         else:
             logger.warning("ignored a %s from %r", type(message).__name__, sender)
         self.update_peers(out)
@@ -174,6 +185,7 @@ class Orchestrator:
             self.worker_lost(worker, out)
         self.tell_draining(out)
         self.check_profile_round(now, out)
+        self.check_lora_round(now, out)
         self.update_peers(out)
         return out
 
@@ -305,6 +317,45 @@ class Orchestrator:
             return ("generation", "context")
         return ("generation",)
 
+    # --- LoRA adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) ----------------------
+
+    def on_lora(self, sender: bytes, command: LoRACommand, now: float, out: Outbox) -> None:
+        refusal = None
+        if self.lora_round is not None:
+            refusal = f"orchestrator: a LoRA {self.lora_round.command.action} is in progress"
+        engines = self.registry.live("context") + self.registry.live("generation")
+        if not engines:
+            refusal = "orchestrator: no engine worker is up"
+        if refusal is not None:
+            done = LoRADone(action=command.action, lora_name=command.lora_name, errors=[refusal])
+            out.append((sender, done))
+            return
+        ids = [worker.worker_id for worker in engines]
+        self.lora_round = LoRARound.begin(sender, command, ids, now)
+        out.extend((worker_id.encode(), command) for worker_id in ids)
+
+    def on_lora_done(self, sender: bytes, done: LoRADone, out: Outbox) -> None:
+        if self.lora_round is not None:
+            self.lora_round.on_answer(sender.decode(errors="replace"), done)
+            self.end_lora_round(out)
+
+    def check_lora_round(self, now: float, out: Outbox) -> None:
+        """Each tick: a worker that died since the command is not waited for."""
+        if self.lora_round is None:
+            return
+        for worker_id in list(self.lora_round.waiting):
+            worker = self.registry.workers.get(worker_id)
+            if worker is None or not worker.alive:
+                self.lora_round.give_up_on(worker_id, "lost before it answered")
+        self.lora_round.expire(now)
+        self.end_lora_round(out)
+
+    def end_lora_round(self, out: Outbox) -> None:
+        if self.lora_round is not None and self.lora_round.complete:
+            self.lora_round.apply(self.lora_adapters)
+            out.append((self.lora_round.asker, self.lora_round.answer))
+            self.lora_round = None
+
     # --- profiling (POST /start_profile, /stop_profile) ---------------------------------------
 
     def on_profile(self, sender: bytes, command: Profile, now: float, out: Outbox) -> None:
@@ -353,7 +404,9 @@ class Orchestrator:
         )
         workers = sorted(self.registry.workers.values(), key=lambda w: (w.role, w.worker_id))
         return ClusterInfo(
-            workers=[me, *(w.info(now) for w in workers)], num_requests=len(self.requests)
+            workers=[me, *(w.info(now) for w in workers)],
+            num_requests=len(self.requests),
+            lora_adapters=self.lora_adapters,
         )
 
     # --- requests ---------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from common.protocol.to_engine import (
     PROFILE_ANSWER_TIMEOUT_S,
     DecodeRequest,
     EngineRequest,
+    LoRACommand,
     PrefillDone,
     PrefillRequest,
     Profile,
@@ -52,6 +53,7 @@ from common.protocol.to_frontend import (
     Chunk,
     ClusterInfo,
     KVEventsDrained,
+    LoRADone,
     ProfileDone,
     RequestFailed,
     WorkerInfo,
@@ -133,6 +135,8 @@ Message = (
     | KVEventsDrained
     | Profile
     | ProfileDone
+    | LoRACommand
+    | LoRADone
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -177,6 +181,8 @@ __all__ = [
     "PrefillRequest",
     "Profile",
     "ProfileDone",
+    "LoRACommand",
+    "LoRADone",
     "Refused",
     "Register",
     "RegisterAgain",

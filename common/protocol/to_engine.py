@@ -110,3 +110,12 @@ class Profile(_Message, tag="profile"):
     steps (engine/profiling.py)."""
 
     action: Literal["start", "stop"]
+
+
+class LoRACommand(_Message, tag="lora"):
+    """POST /v1/load_lora_adapter or /v1/unload_lora_adapter (vLLM's bodies): from a frontend,
+    fanned out by the orchestrator to every engine worker, each answering a LoRADone."""
+
+    action: Literal["load", "unload"]
+    lora_name: str
+    lora_path: str = ""  # a PEFT directory on the workers' hosts (load)

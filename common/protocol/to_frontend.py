@@ -65,10 +65,21 @@ class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
 class ClusterInfo(_Message, tag="cluster_info"):
     workers: list[WorkerInfo]
     num_requests: int = 0  # requests the orchestrator is tracking
+    # the LoRA adapters served (name -> PEFT directory): cluster.yaml's and those loaded since
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class KVEventsDrained(_Message, tag="kv_events_drained"):
     events_json: bytes  # a JSON array in TensorRT-LLM's shape
+
+
+class LoRADone(_Message, tag="lora_done"):
+    """One engine worker's answer to a LoRACommand, or (orchestrator → frontend) all of them."""
+
+    action: Literal["load", "unload"]
+    lora_name: str
+    workers: list[str] = msgspec.field(default_factory=list)  # the workers that did it
+    errors: list[str] = msgspec.field(default_factory=list)  # "<worker id>: <why>"
 
 
 class ProfileDone(_Message, tag="profile_done"):
