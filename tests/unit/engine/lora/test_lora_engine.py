@@ -182,3 +182,23 @@ def test_bad_adapters_are_refused_clearly(
         plain.add_request("x", [1, 2, 3], GREEDY, salt_extra_keys(None, "a0"))
     with pytest.raises(ValueError, match="LoRA is off"):
         plain.load_lora_adapter("a0", str(adapters["a0"]))
+
+
+@pytest.mark.long
+def test_real_model_adapter_matches_transformers_peft(smollm2_path: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M (float32) with a random rank-16 adapter on every projection: the greedy
+    tokens and log-probs of transformers + peft, alone and beside the base model in one batch
+    (layer by layer there: the C decode step runs no LoRA)."""
+    adapter = make_adapter(smollm2_path, tmp_path / "a", seed=7, rank=16, alpha=32,
+                           magnitude=0.03)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompt = tokenizer("The three primary colors are").input_ids
+    reference = hf_greedy(peft_model(smollm2_path, adapter), prompt)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    base_reference = hf_greedy(base, prompt)
+    assert reference[0] != base_reference[0]
+    engine = engine_for(smollm2_path, {"a": adapter})
+    got = run(engine, [("lora", prompt, "a"), ("base", prompt, None)])
+    for request_id, (tokens, logprobs) in (("lora", reference), ("base", base_reference)):
+        assert [t for t, _ in got[request_id]] == tokens
+        assert [lp for _, lp in got[request_id]] == pytest.approx(logprobs, abs=1e-3)
