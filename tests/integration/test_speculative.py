@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from tests.integration.harness import MODEL, Cluster
+from tests.integration.test_observability import metrics
 
 pytestmark = pytest.mark.long
 
@@ -68,17 +67,7 @@ def test_greedy_completions_equal_without_speculation_and_nothing_is_held(
     assert not busy, busy
     decoders = [w for w in info.workers if w.role == "generation"]
     assert sum(w.spec_decode_num_accepted_tokens for w in decoders) > MAX_NEW
-    scrape = _metrics(cluster)
+    scrape = metrics(cluster)
     accepted = scrape["pdcluster_spec_decode_num_accepted_tokens_total"]
     proposed = scrape["pdcluster_spec_decode_num_draft_tokens_total"]
     assert 0 < sum(accepted.values()) <= sum(proposed.values())
-
-
-def _metrics(cluster: Cluster) -> dict[str, dict]:
-    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    families: dict[str, dict] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.labels.get("worker"), sample.labels.get("role"))
-            families.setdefault(sample.name, {})[key] = sample.value
-    return families
