@@ -16,6 +16,7 @@ from frontend.anthropic import CountTokensRequest, MessagesRequest
 from frontend.chat import ChatCompletionRequest
 from frontend.completions import CompletionRequest
 from frontend.embeddings import EmbeddingRequest
+from frontend.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from frontend.message_batches import CreateBatchRequest, MessageBatch
 from frontend.responses import ResponsesRequest
 from frontend.tokenize_schema import DetokenizeRequest, TokenizeRequest
@@ -52,8 +53,20 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
     "/v1/responses/{response_id}": ("get", "A stored response (DELETE removes it)", None, None),
     "/v1/tokenize": ("post", "Tokenize a prompt or messages", TokenizeRequest, None),
     "/v1/detokenize": ("post", "Turn token ids into text", DetokenizeRequest, None),
-    "/v1/models": ("get", "List the served model", None, None),
-    "/v1/models/{model_id}": ("get", "The served model's card (404 for any other id)", None, None),
+    "/v1/models": ("get", "List the served model and its LoRA adapters", None, None),
+    "/v1/models/{model_id}": ("get", "A served model's card (404 for any other id)", None, None),
+    "/v1/load_lora_adapter": (
+        "post",
+        "Load a LoRA adapter on every engine worker",
+        LoadLoRAAdapterRequest,
+        None,
+    ),
+    "/v1/unload_lora_adapter": (
+        "post",
+        "Unload a LoRA adapter from every engine worker",
+        UnloadLoRAAdapterRequest,
+        None,
+    ),
     "/version": ("get", "The server's version", None, None),
     "/health": ("get", "200 when every needed worker role is alive, else 503", None, None),
     "/health_generate": ("get", "200 when a one-token request completes", None, None),
