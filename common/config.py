@@ -132,6 +132,9 @@ class SpeculativeConfig(_Section, frozen=True):
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
     prompt_lookup_min: Positive = 1
     prompt_lookup_max: Positive = 4
+    # vLLM v0's: no proposals in a step whose batch has at least this many sequences (where the
+    # cores are busy already, verifying proposals costs more than it saves); None: always
+    disable_by_batch_size: Positive | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -198,12 +198,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        spec = self._speculation()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and self.speculative is not None:
-                seq.draft_token_ids = self._propose(seq, self.speculative, budget - 1)
+            if num_new == 1 and spec is not None:
+                seq.draft_token_ids = self._propose(seq, spec, budget - 1)
                 num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new, out.preempted):
                 break
@@ -216,6 +217,16 @@ class Scheduler:
             self._unpark_all()
             self._admit(budget, out)
         return out
+
+    def _speculation(self) -> SpeculativeConfig | None:
+        """The settings if this step proposes: speculation on and the batch below its limit."""
+        spec = self.speculative
+        if spec is None or (
+            spec.disable_by_batch_size is not None
+            and len(self.running) >= spec.disable_by_batch_size
+        ):
+            return None
+        return spec
 
     def _propose(self, seq: Sequence, spec: SpeculativeConfig, room: int) -> list[int]:
         """A decoding sequence's proposals, within `room` more tokens of the step's budget, its

@@ -57,3 +57,14 @@ def test_speculation_never_preempts() -> None:
     out = sched.schedule()
     assert [(c.seq, c.num_new_tokens) for c in out.chunks] == [(seq, 1)]
     assert not seq.draft_token_ids and not out.preempted
+
+
+def test_no_proposals_in_a_batch_of_disable_by_batch_size() -> None:
+    sched, seq = decoding(num_blocks=16)
+    sched.speculative = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=1)
+    out = sched.schedule()
+    assert [(c.seq, c.num_new_tokens) for c in out.chunks] == [(seq, 1)]
+    sched.speculative = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=2)
+    sched.postprocess(out, [seq], SampleResult([1], None, None))  # "... 1 2 1": proposes 2 3 ...
+    out = sched.schedule()
+    assert [(c.seq, c.num_new_tokens) for c in out.chunks] == [(seq, 6)]
