@@ -21,6 +21,8 @@ from common.protocol import (
     Heartbeat,
     KVPool,
     Leaving,
+    LoRACommand,
+    LoRADone,
     OutputOptions,
     PeersRequest,
     PrefillDone,
@@ -669,3 +671,38 @@ def test_the_same_process_registering_again_keeps_its_requests() -> None:
                      pid=1, instance=orch.registry.workers["gen-0"].instance)  # fmt: skip
     out = orch.handle(b"gen-0", again, 0.5)
     assert not [m for to, m in out if to == FRONTEND] and "cmpl-1" in orch.requests
+
+
+def test_a_lora_load_reaches_every_engine_worker_and_updates_the_adapter_table() -> None:
+    orch = cluster("lora: {adapters: {sql: /a/sql}}\n", generations=2)
+    assert orch.cluster_info(1.0).lora_adapters == {"sql": "/a/sql"}
+    load = LoRACommand(action="load", lora_name="poet", lora_path="/a/poet")
+    out = orch.handle(FRONTEND, load, 1.0)
+    assert sorted(out) == [(w, load) for w in (b"ctx-0", b"gen-0", b"gen-1")]
+    busy = only(orch.handle(b"fe-1", LoRACommand(action="unload", lora_name="sql"), 1.0))
+    assert busy[0] == b"fe-1" and "in progress" in busy[1].errors[0]
+    for worker in ("ctx-0", "gen-0"):
+        done = LoRADone(action="load", lora_name="poet", workers=[worker])
+        assert orch.handle(worker.encode(), done, 1.1) == []
+    refused = LoRADone(action="load", lora_name="poet", errors=["gen-1: no free slot"])
+    answer = only(orch.handle(b"gen-1", refused, 1.2))
+    assert answer == (
+        FRONTEND,
+        LoRADone(action="load", lora_name="poet", workers=["ctx-0", "gen-0"],
+                 errors=["gen-1: no free slot"]),
+    )  # fmt: skip
+    assert orch.cluster_info(1.3).lora_adapters == {"sql": "/a/sql", "poet": "/a/poet"}
+    # an unload that one worker refuses leaves the adapter listed
+    orch.handle(FRONTEND, LoRACommand(action="unload", lora_name="poet"), 2.0)
+    for worker in ("ctx-0", "gen-0", "gen-1"):
+        errors = ["gen-1: in use"] if worker == "gen-1" else []
+        done = LoRADone(action="unload", lora_name="poet", errors=errors,
+                        workers=[] if errors else [worker])  # fmt: skip
+        orch.handle(worker.encode(), done, 2.1)
+    assert "poet" in orch.cluster_info(2.2).lora_adapters
+    orch.handle(FRONTEND, LoRACommand(action="unload", lora_name="poet"), 3.0)
+    for worker in ("ctx-0", "gen-0", "gen-1"):
+        done = LoRADone(action="unload", lora_name="poet", workers=[worker])
+        orch.handle(worker.encode(), done, 3.1)
+    assert orch.cluster_info(3.2).lora_adapters == {"sql": "/a/sql"}
+    assert orch.lora_round is None
