@@ -203,7 +203,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and spec is not None:
+            if spec is not None and seq.num_tokens - seq.num_computed_tokens == 1:  # decoding
                 seq.draft_token_ids = self._propose(seq, spec, budget - 1)
                 num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new, out.preempted):

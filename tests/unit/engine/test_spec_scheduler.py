@@ -68,3 +68,15 @@ def test_no_proposals_in_a_batch_of_disable_by_batch_size() -> None:
     sched.postprocess(out, [seq], SampleResult([1], None, None))  # "... 1 2 1": proposes 2 3 ...
     out = sched.schedule()
     assert [(c.seq, c.num_new_tokens) for c in out.chunks] == [(seq, 6)]
+
+
+def test_a_prompt_chunked_to_one_token_a_step_gets_no_proposals() -> None:
+    sched = Scheduler(KVCacheManager(16, BLOCK), 8, 1, max_model_len=256, speculative=SPEC)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    seq = Sequence("s", "s", 0, list(PROMPT), len(PROMPT), SamplingState(params, list(PROMPT)))
+    sched.add(seq)
+    for _ in range(len(PROMPT) - 1):  # a budget of one token: the prompt one token a step
+        out = sched.schedule()
+        assert [(c.seq, c.num_new_tokens) for c in out.chunks] == [(seq, 1)]
+        assert not seq.draft_token_ids and not out.chunks[0].samples
+        sched.postprocess(out, [], SampleResult([], None, None))
