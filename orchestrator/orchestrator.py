@@ -205,7 +205,17 @@ class Orchestrator:
         if message.role in ("context", "generation"):
             self.prefix_index.cleared(message.worker_id)  # a new process starts with no cache
             self.kv_events.created(message.worker_id, message.num_blocks)
+            if old is None or old.instance != message.instance:
+                self.send_loaded_adapters(sender, out)
         out.append((sender, self.peers()))
+
+    def send_loaded_adapters(self, worker: bytes, out: Outbox) -> None:
+        """A new engine process has cluster.yaml's adapters only: the ones loaded since (its
+        answers come outside any round and are dropped; a refusal is in its log)."""
+        configured = self.config.lora.adapters if self.config.lora else {}
+        for name, path in self.lora_adapters.items():
+            if configured.get(name) != path:
+                out.append((worker, LoRACommand(action="load", lora_name=name, lora_path=path)))
 
     def refusal(self, message: Register, now: float) -> str | None:
         """Why a registration is refused: another protocol version, or a second process under

@@ -706,3 +706,11 @@ def test_a_lora_load_reaches_every_engine_worker_and_updates_the_adapter_table()
         orch.handle(worker.encode(), done, 3.1)
     assert orch.cluster_info(3.2).lora_adapters == {"sql": "/a/sql"}
     assert orch.lora_round is None
+
+
+def test_an_engine_worker_that_starts_later_is_sent_the_adapters_loaded_since() -> None:
+    orch = cluster("lora: {adapters: {sql: /a/sql}}\n")
+    orch.lora_adapters["poet"] = "/a/poet"  # loaded at run time
+    out = register(orch, "gen-7", "generation", 1.0, pid=7)
+    sent = [m for to, m in out if to == b"gen-7" and isinstance(m, LoRACommand)]
+    assert sent == [LoRACommand(action="load", lora_name="poet", lora_path="/a/poet")]
