@@ -141,6 +141,19 @@ def test_unknown_adapter_is_refused(engine: LLMEngine, prompts: list[list[int]])
     assert not engine.has_unfinished()
 
 
+def test_a_decode_hand_off_without_the_adapter_is_refused(
+    engine: LLMEngine, prompts: list[list[int]]
+) -> None:
+    """A generation worker handed a prefilled request whose adapter it lacks refuses it (the
+    worker answers 400) rather than decode the prompt's KV with other weights."""
+    keys = salt_extra_keys(None, "not-here")
+    with pytest.raises(InvalidRequest, match="not loaded on this worker"):
+        engine.add_pulled_request("pulled", prompts[0], GREEDY, {0: 7}, 0, keys)
+    with pytest.raises(InvalidRequest, match="not loaded on this worker"):
+        engine.add_continued_request("continued", prompts[0], GREEDY, {0: 7}, keys)
+    assert not engine.has_unfinished() and engine.kv.usage.used == 0
+
+
 def test_load_and_unload_at_run_time(
     engine: LLMEngine, adapters: dict[str, Path], prompts: list[list[int]]
 ) -> None:
