@@ -77,9 +77,7 @@ def test_multi_turn_with_the_tier_keeps_tokens_and_computes_less(
             disk_path=str(tmp_path),
             disk_bytes=5 * NUM_BLOCKS * block_bytes,
         )
-    llm = LLM(
-        str(tiny_model_path), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_offload=config
-    )
+    llm = LLM(str(tiny_model_path), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_offload=config)
     offload = llm.engine.kv.offload
     assert offload is not None
     try:
