@@ -349,16 +349,19 @@ class Orchestrator:
             self.lora_round.on_answer(sender.decode(errors="replace"), done)
             self.end_lora_round(out)
 
-    def check_lora_round(self, now: float, out: Outbox) -> None:
-        """Each tick: a worker that died since the command is not waited for."""
-        if self.lora_round is None:
-            return
-        for worker_id in list(self.lora_round.waiting):
+    def stop_waiting_for_the_lost(self, round_: LoRARound | ProfileRound, now: float) -> None:
+        """Each tick of a fanned-out round: a worker that died since the command is not waited
+        for, nor is any once the deadline passed."""
+        for worker_id in list(round_.waiting):
             worker = self.registry.workers.get(worker_id)
             if worker is None or not worker.alive:
-                self.lora_round.give_up_on(worker_id, "lost before it answered")
-        self.lora_round.expire(now)
-        self.end_lora_round(out)
+                round_.give_up_on(worker_id, "lost before it answered")
+        round_.expire(now)
+
+    def check_lora_round(self, now: float, out: Outbox) -> None:
+        if self.lora_round is not None:
+            self.stop_waiting_for_the_lost(self.lora_round, now)
+            self.end_lora_round(out)
 
     def end_lora_round(self, out: Outbox) -> None:
         if self.lora_round is not None and self.lora_round.complete:
@@ -388,15 +391,9 @@ class Orchestrator:
             self.end_profile_round(out)
 
     def check_profile_round(self, now: float, out: Outbox) -> None:
-        """Each tick: a worker that died since the command is not waited for."""
-        if self.profile_round is None:
-            return
-        for worker_id in list(self.profile_round.waiting):
-            worker = self.registry.workers.get(worker_id)
-            if worker is None or not worker.alive:
-                self.profile_round.give_up_on(worker_id, "lost before it answered")
-        self.profile_round.expire(now)
-        self.end_profile_round(out)
+        if self.profile_round is not None:
+            self.stop_waiting_for_the_lost(self.profile_round, now)
+            self.end_profile_round(out)
 
     def end_profile_round(self, out: Outbox) -> None:
         if self.profile_round is not None and self.profile_round.complete:
