@@ -88,6 +88,7 @@ class OrchestratorLink:
         self._heartbeats: threading.Thread | None = None
         self.draining = False
         self.drain_in_flight: int | None = None  # the orchestrator's count; None: not answered
+        self._unread: list[Message] = []  # read by register() after its answer, for the loop
 
     @property
     def worker_id(self) -> str:
@@ -100,8 +101,12 @@ class OrchestratorLink:
         while time.monotonic() < deadline and not stop.is_set():
             send(self.socket, self.register_message)
             if self.socket.poll(1000):
-                for message in self.receive():
+                messages = self.receive()
+                for i, message in enumerate(messages):
                     if isinstance(message, Registered):
+                        # The orchestrator routes work here from this moment: commands read
+                        # with the answer are the loop's first (a DecodeRequest was lost so).
+                        self._unread = messages[i + 1 :]
                         self.start_heartbeats()
                         return message
         if stop.is_set():
@@ -112,7 +117,7 @@ class OrchestratorLink:
     def receive(self) -> list[Message]:
         """Everything waiting, minus the link's own traffic (Refused exits, RegisterAgain
         re-registers); Registered updates are both kept here and returned."""
-        messages: list[Message] = []
+        messages, self._unread = self._unread, []
         if self._register_again.is_set():
             self._register_again.clear()
             self._send_register_again()

@@ -14,6 +14,7 @@ import zmq
 from common.config import OrchestratorConfig
 from common.protocol import (
     PROTOCOL_VERSION,
+    Abort,
     Drain,
     Heartbeat,
     Leaving,
@@ -25,7 +26,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import bind_random_port, make_socket, recv, send_to
+from common.transport import bind_random_port, make_socket, recv, send, send_to
 from common.worker_link import EXIT_REFUSED, OrchestratorLink
 
 TIMEOUT_MS = 5000
@@ -68,6 +69,31 @@ def test_registration_returns_the_orchestrators_answer(router) -> None:
     registered = link.register(threading.Event(), timeout_s=10)
     thread.join(10)
     assert registered == Registered(peers_version=7) and link.peers_version == 7
+    link.close()
+
+
+def test_a_command_sent_with_the_registration_answer_is_kept_for_the_loop(router) -> None:
+    """The orchestrator may route work to a worker the moment it registers: a command that
+    arrives in the same read as Registered reaches the loop's first receive(), not the floor."""
+    sock, address = router
+    work = Drain(worker_id="gen-0", in_flight=0)  # stands for any command
+    abort = Abort(request_id="r1")
+
+    def serve() -> None:
+        assert sock.poll(TIMEOUT_MS)
+        identity, _ = sock.recv_multipart()
+        send_to(sock, identity, Registered(peers_version=1))
+        send_to(sock, identity, abort)
+        send_to(sock, identity, work)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    link = make_link(address)
+    send(link.socket, link.register_message)  # answered before register() reads: all three
+    thread.join(10)  # wait in the socket together
+    time.sleep(0.2)
+    assert link.register(threading.Event(), timeout_s=10) == Registered(peers_version=1)
+    assert link.receive() == [abort] and link.drain_in_flight == 0
     link.close()
 
 
