@@ -23,7 +23,8 @@ from pathlib import Path
 
 SAMPLE_RATE_HZ = 100
 TOP_FUNCTIONS = 12
-# Frames in nearly every sample (the module runner, main(), the worker loop) say nothing.
+# Frames in nearly every sample (the module runner, main(), the worker loop) say nothing, except
+# the deepest of them: a process that spends all its time in one engine call must still name it.
 EVERYWHERE = 0.97
 # `inclusive` lists this project's functions only: torch's and asyncio's plumbing frames sit
 # above every leaf and would crowd them out.
@@ -128,27 +129,49 @@ def hot_functions(raw: str) -> dict:
     """From py-spy's raw output (one `frame;frame;... count` line per stack): the functions that
     take the most samples including their callees (`inclusive`, this project's functions) and
     in themselves (`self`, any function)."""
+    stacks: list[tuple[list[str], int]] = []
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
-    total = 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = [_function(frame) for frame in stack.split(";")]
-        total += int(count)
+        stacks.append((frames, int(count)))
         for name in set(frames):
-            if name.partition(" (")[2].startswith(OWN_PACKAGES):
+            if _is_own(name):
                 inclusive[name] += int(count)
         own[frames[-1]] += int(count)
+    total = sum(count for _, count in stacks)
     if not total:
         return {"samples": 0}
+    kept = _busy_in_one_call(stacks, {n for n, c in inclusive.items() if c / total >= EVERYWHERE})
 
     def shares(counter: Counter[str]) -> dict[str, float]:
-        ranked = [(n, c / total) for n, c in counter.most_common() if c / total < EVERYWHERE]
+        ranked = [(n, c / total) for n, c in counter.most_common()
+                  if c / total < EVERYWHERE or n == kept]  # fmt: skip
         return {n: round(s, 3) for n, s in ranked[:TOP_FUNCTIONS]}
 
     return {"samples": total, "inclusive": shares(inclusive), "self": shares(own)}
+
+
+def _busy_in_one_call(stacks: list[tuple[list[str], int]], everywhere: set[str]) -> str | None:
+    """The deepest of this project's frames found in nearly every sample, when none of this
+    project's frames is ever below it: then the process spends its time in that one call (the C
+    decode step, a torch forward) and the call is the answer, not plumbing."""
+    commonest, _ = max(stacks, key=lambda stack: stack[1])
+    chain = [name for name in commonest if name in everywhere]
+    deepest = chain[-1] if chain else None
+    if deepest is None:
+        return None
+    for frames, _ in stacks:
+        if deepest in frames and any(map(_is_own, frames[frames.index(deepest) + 1 :])):
+            return None
+    return deepest
+
+
+def _is_own(name: str) -> bool:
+    return name.partition(" (")[2].startswith(OWN_PACKAGES)
 
 
 def _function(frame: str) -> str:

@@ -53,6 +53,20 @@ def test_hot_functions_ranks_project_frames_inclusive_and_any_frame_by_self() ->
     assert hot_functions("") == {"samples": 0}
 
 
+def test_hot_functions_names_the_deepest_frame_of_a_process_busy_in_one_call() -> None:
+    """Every sample inside one engine call (the C decode step): the loop's frames above it say
+    nothing, but the call itself is where the time goes and must be listed."""
+    loop = "main (generation_worker/main.py:9);step (generation_worker/worker.py:5)"
+    raw = "\n".join([
+        f"{loop};step (engine/llm_engine.py:3);decode (engine/cpu_step.py:8);c (cpu.so) 98",
+        f"{loop};step (engine/llm_engine.py:3);emit (engine/out.py:2) 1",
+        f"{loop};poll (common/link.py:7) 1",
+    ])  # fmt: skip
+    hot = hot_functions(raw)
+    assert hot["inclusive"] == {"decode (engine/cpu_step.py)": 0.98, "emit (engine/out.py)": 0.01,
+                                "poll (common/link.py)": 0.01}  # fmt: skip
+
+
 def test_profile_measures_every_child_of_the_supervisor(tmp_path: Path) -> None:
     (tmp_path / "supervisor.py").write_text(SUPERVISOR)
     (tmp_path / "worker.py").write_text(WORKER)
