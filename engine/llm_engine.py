@@ -639,6 +639,10 @@ class LLMEngine:
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         params.validate(vocab_size)
+        if params.beam is not None and self.config.speculative is not None:
+            raise InvalidRequest(
+                "beam search cannot run with speculative decoding on", "use_beam_search"
+            )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; "

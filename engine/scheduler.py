@@ -231,12 +231,13 @@ class Scheduler:
     def _propose(self, seq: Sequence, spec: SpeculativeConfig, room: int) -> list[int]:
         """A decoding sequence's proposals, within `room` more tokens of the step's budget, its
         max_tokens and the context length, their blocks allocated; [] when it does not speculate
-        (beam, grammar, thinking budget, prefill-only) or the blocks are not free."""
+        (beam, thinking budget, prefill-only) or the blocks are not free. Under a grammar, the
+        proposals stop before the first token it forbids: a forbidden one could never be
+        accepted, and every token verified must have a grammar state to be masked by."""
         sampling = seq.sampling
         if (
             seq.beam is not None
             or seq.prefill_only
-            or sampling.matcher is not None
             or sampling.thinking is not None
             or seq.params.embed
         ):
@@ -248,6 +249,8 @@ class Scheduler:
             self.max_model_len - seq.num_tokens - 1,
         )
         draft = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft and sampling.matcher is not None:
+            draft = draft[: sampling.matcher.validate_tokens(draft)]
         if draft and not self.kv.allocate_slots(
             seq.seq_id, seq.num_computed_tokens + 1 + len(draft)
         ):

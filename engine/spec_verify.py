@@ -84,11 +84,19 @@ def verify(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[
 
 
 def _at_position(state: SamplingState, accepted: list[int]) -> SamplingState:
-    """The state the sampler would see after `accepted` were sampled (no grammar nor thinking
-    budget: sequences with either do not speculate)."""
+    """The state the sampler would see after `accepted` were sampled: the grammar's, if any, a
+    copy that consumed them (the proposals are within the grammar: the scheduler cut them
+    there). A thinking budget's sequences do not speculate."""
     if not accepted:
         return state
-    return dataclasses.replace(state, output_token_ids=state.output_token_ids + accepted)
+    matcher = state.matcher
+    if matcher is not None:
+        matcher = matcher.deep_copy()
+        if not matcher.consume_tokens(accepted):
+            raise ValueError(f"proposals {accepted} leave the grammar: {matcher.get_error()}")
+    return dataclasses.replace(
+        state, output_token_ids=state.output_token_ids + accepted, matcher=matcher
+    )
 
 
 def _verify_greedy(targets: list[int], draft: list[int]) -> list[int]:

@@ -347,6 +347,7 @@ def to_generate_request(
         logit_bias=logit_bias(body.logit_bias, model.vocab_size),
         guided=constraint,
         thinking_budget=thinking_budget(body.thinking_token_budget, model, rendered),
+        speculative=model.speculative,
     )
     if model.harmony:
         stops = harmony_prompt.stop_token_ids(tokenizer)

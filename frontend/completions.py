@@ -172,6 +172,7 @@ def to_generate_requests(
             prompt_logprobs=body.logprobs if body.echo else None,
             logit_bias=bias,
             guided=constraint,
+            speculative=model.speculative,
         )
         prompt_b64 = encode_token_ids(prompt)
         output = OutputOptions(

@@ -38,6 +38,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     sampling_defaults: SamplingDefaults  # what omitted sampling fields mean
     max_token_chars: int  # the longest vocabulary entry: no token covers more characters
+    speculative: bool = False  # the cluster's decoders speculate: beam search is refused
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
@@ -96,4 +97,5 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         if config.frontend.sampling_defaults == "model"
         else SamplingDefaults(),
         max_token_chars=tokenizer.max_token_chars(),
+        speculative=config.speculative is not None,
     )

@@ -143,9 +143,17 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     early_stopping: bool | Literal["never"] | None = None  # beam search only (default false)
 
 
-def beam_search(body: SamplingFields) -> BeamSearch | None:
+def beam_search(body: SamplingFields, speculative: bool = False) -> BeamSearch | None:
     """vLLM's beam-search fields: `best_of` (else n) beams, the n best returned. The two that
-    shape the search mean nothing without it: a 400, not silence."""
+    shape the search mean nothing without it: a 400, not silence. Beams rank every candidate
+    each step, which proposals verified a run at a time cannot serve: with speculative decoding
+    on, a beam search is a 400, not a silently slower path."""
+    if body.use_beam_search and speculative:
+        raise InvalidRequest(
+            "beam search cannot run on this cluster: its generation workers use speculative "
+            "decoding (cluster.yaml's speculative section)",
+            "use_beam_search",
+        )
     if not body.use_beam_search:
         for name in ("length_penalty", "early_stopping"):
             if getattr(body, name) is not None:
@@ -169,10 +177,11 @@ def sampling_params(
     guided: GuidedDecoding | None,
     prompt_logprobs: int | None = None,
     thinking_budget: ThinkingBudget | None = None,
+    speculative: bool = False,
 ) -> SamplingParams:
     """The request's SamplingParams, validated; the route-specific fields are passed in. Beam
     search ranks the model's own distribution: the model's sampling defaults do not apply."""
-    beam = beam_search(body)
+    beam = beam_search(body, speculative)
     if beam is not None:
         defaults = SamplingDefaults()
 

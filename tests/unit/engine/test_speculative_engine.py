@@ -4,6 +4,7 @@ rewound and freed, the prefix cache holding accepted tokens only."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from common import guided
 from common.block_hash import block_hashes
 from common.config import SpeculativeConfig
+from common.errors import InvalidRequest
 from common.sampling_params import BeamSearch, SamplingParams
 from engine.llm import LLM
 from engine.sequence import SequenceStatus
@@ -126,14 +128,37 @@ def test_seeded_sampling_repeats_and_n_choices_each_speculate(spec: LLM) -> None
     assert_no_blocks_in_use(spec)
 
 
-def test_beam_search_and_guided_sequences_do_not_speculate(base: LLM, spec: LLM) -> None:
+def test_beam_search_is_refused_with_speculation_on(spec: LLM) -> None:
     beam = SamplingParams(temperature=0.0, max_tokens=12, n=2, beam=BeamSearch(width=3))
-    grammar = guided.regex(r"(one|two|three)( (one|two|three)){5}")
-    constrained = SamplingParams(temperature=0.0, max_tokens=40, guided=grammar)
+    with pytest.raises(InvalidRequest, match="beam search") as refused:
+        spec.generate(REPEATING[:1], beam)
+    assert refused.value.param == "use_beam_search"
+    assert_no_blocks_in_use(spec)
+
+
+WORDS = r"(one|two|three|four|five)( (one|two|three|four|five)){24}"
+
+
+def test_guided_sequences_speculate_within_the_grammar(base: LLM, spec: LLM) -> None:
+    """Proposals are cut where the grammar forbids, and each verified position is masked by
+    the grammar's state after the proposals before it: greedy output as without speculation."""
+    constrained = SamplingParams(temperature=0.0, max_tokens=80, guided=guided.regex(WORDS))
+    before = spec.engine.spec.num_accepted_tokens
+    expected = base.generate(REPEATING[:2], constrained)
+    got = spec.generate(REPEATING[:2], constrained)
+    for e, g in zip(expected, got, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert re.fullmatch(WORDS, g.outputs[0].text), g.outputs[0].text
+    assert spec.engine.spec.num_accepted_tokens - before > 10
+    assert_no_blocks_in_use(spec)
+
+
+def test_sampled_guided_output_keeps_to_the_grammar(spec: LLM) -> None:
+    """Rejection sampling draws the correction from the masked distribution: whatever is
+    accepted or drawn, the text is in the grammar's language."""
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=80, guided=guided.regex(WORDS))
     before = spec.engine.spec.num_drafts
-    for params in (beam, constrained):
-        expected = base.generate(REPEATING[:1], params)[0]
-        got = spec.generate(REPEATING[:1], params)[0]
-        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in expected.outputs]
-    assert spec.engine.spec.num_drafts == before
+    for output in spec.generate(REPEATING[:1], params)[0].outputs:
+        assert re.fullmatch(WORDS, output.text), output.text
+    assert spec.engine.spec.num_drafts > before
     assert_no_blocks_in_use(spec)

@@ -8,7 +8,10 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from common.config import ClusterConfig, FrontendConfig, SpeculativeConfig
 from common.protocol import encode_token_ids
+from frontend.app import build_app
+from frontend.model_info import load_model_info
 from tests.integration import openai_spec
 from tools.tiny_model.build import TEST_PROMPTS
 
@@ -146,6 +149,29 @@ def test_beam_search_refuses_what_it_cannot_honour(oai, options, param) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"best_of": 2}
         )
     assert refused.value.body["param"] == "best_of"
+
+
+def test_beam_search_is_refused_where_the_cluster_speculates(fake, tmp_path) -> None:
+    """Beams rank every candidate each step; proposals verified a run at a time cannot serve
+    them: a 400 on both routes, not a silently slower path."""
+    config = ClusterConfig(
+        model=MODEL,
+        speculative=SpeculativeConfig(),
+        frontend=FrontendConfig(responses_store=str(tmp_path / "store.sqlite3")),
+    )
+    with TestClient(build_app(config, fake, load_model_info(config))) as http:
+        oai = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        )
+        beam = {"use_beam_search": True}
+        with pytest.raises(openai.BadRequestError, match="speculative") as refused:
+            oai.completions.create(model=MODEL, prompt="hi", best_of=2, extra_body=beam)
+        assert refused.value.body["param"] == "use_beam_search"
+        with pytest.raises(openai.BadRequestError, match="speculative") as refused:
+            oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=beam
+            )
+        assert refused.value.body["param"] == "use_beam_search"
 
 
 @pytest.mark.parametrize(
