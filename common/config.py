@@ -16,6 +16,8 @@ from common.errors import validation_location
 from common.parser_choice import ToolParserName
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+# the weights' format, as vLLM's --quantization (engine/models/checkpoint.py QUANTIZATIONS)
+Quantization = Literal["auto", "gguf", "compressed-tensors", "gptq", "awq", "dequantize"]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 ZmqAddress = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 
@@ -127,8 +129,11 @@ class SpeculativeConfig(_Section, frozen=True):
     proposes up to num_speculative_tokens tokens per sequence, which one forward verifies."""
 
     # ngram: prompt lookup, the last n tokens (prompt_lookup_max down to prompt_lookup_min) found
-    # earlier in the sequence propose what followed them there; no draft model
-    method: Literal["ngram"] = "ngram"
+    # earlier in the sequence propose what followed them there; no draft model.
+    # draft_model: `model`, a smaller model of the same tokenizer, proposes its greedy tokens
+    method: Literal["ngram", "draft_model"] = "ngram"
+    model: str | None = None  # the draft model (a directory, a builtin, a hub id in the cache)
+    quantization: Quantization = "auto"  # the draft's, as the cluster's `quantization`
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
     prompt_lookup_min: Positive = 1
     prompt_lookup_max: Positive = 4
@@ -137,6 +142,9 @@ class SpeculativeConfig(_Section, frozen=True):
     disable_by_batch_size: Positive | None = None
 
     def __post_init__(self) -> None:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative.model names the draft model: required with method "
+                             "draft_model, and only with it")  # fmt: skip
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -213,9 +221,7 @@ class ClusterConfig(_Section, frozen=True):
     # the weights' format, as vLLM's --quantization: auto (what the checkpoint holds: a GGUF's
     # blocks, a quantization_config's); a format's name also checks the checkpoint holds it;
     # dequantize serves quantized weights as float ones in `dtype`
-    quantization: Literal["auto", "gguf", "compressed-tensors", "gptq", "awq", "dequantize"] = (
-        "auto"
-    )
+    quantization: Quantization = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     internal_host: str = "127.0.0.1"  # where workers and frontends bind their own PULL sockets
     advertise_host: str | None = None  # the host peers dial for those (a pod IP); internal_host

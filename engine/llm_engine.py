@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from common.block_hash import ExtraKey
-from common.config import context_length
+from common.config import KVOffloadConfig, context_length
 from common.errors import InvalidRequest
 from common.kv_events import KVEvent
 from common.protocol import FinishReason
@@ -23,6 +23,7 @@ from common.sampling_params import SamplingParams
 from engine.beam_search import BeamGroup
 from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineConfig
+from engine.draft_proposer import DraftModelProposer
 from engine.guided import GrammarCompiler
 from engine.host_memory import keep_freed_memory
 from engine.kernels import cpu_kernels
@@ -142,6 +143,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             config.speculative,
+            self._draft_proposer(),
         )
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.kv, config.attention_backend, config.device
@@ -155,6 +157,31 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
         )
+
+    def _draft_proposer(self) -> DraftModelProposer | None:
+        """With `method: draft_model`, the draft's own engine (its weights, KV pool and runner)
+        behind the proposer; None for n-gram speculation or none."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.model is not None
+        config = dataclasses.replace(
+            self.config,
+            model=spec.model,
+            quantization=spec.quantization,
+            enable_prefix_caching=False,
+            kv_offload=KVOffloadConfig(),
+            lora=None,
+            speculative=None,
+        )
+        vocab_size = read_model_config(config.model_dir()).vocab_size
+        if vocab_size > self.model_config.vocab_size:  # checked before its weights load
+            raise ValueError(
+                f"the draft model {spec.model} has {vocab_size} token ids, the target "
+                f"{self.model_config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        logger.info("speculating with the draft model %s", spec.model)
+        return DraftModelProposer(LLMEngine(config))
 
     def add_request(
         self,

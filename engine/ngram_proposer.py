@@ -12,8 +12,13 @@ vectorised scan of the sequence per n, no model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -34,3 +39,17 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
             follow = int(full[-1] if full.size else starts[0]) + n
             return token_ids[follow : follow + k]
     return []
+
+
+class NgramProposer:
+    """The scheduler's proposer for `method: ngram` (see engine/draft_proposer.py for the other):
+    each sequence's proposals from its own tokens, no state kept between steps."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [propose_ngram(seq.token_ids, k, self.min_n, self.max_n) for seq, k in wanted]
+
+    def forget(self, seq_id: str) -> None:
+        pass  # nothing kept per sequence

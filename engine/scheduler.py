@@ -20,8 +20,10 @@ do parked ones: beams that offered their continuations and wait for the rest of 
 missing), the parked beams give their blocks back and compute their offers again later.
 
 With speculative decoding on, a decoding sequence's chunk is its last token plus up to k proposals
-(`Sequence.draft_token_ids`, engine/ngram_proposer.py), when the budget and free blocks allow
-(speculation never preempts). `accept_drafts` keeps the accepted proposals' KV and rewinds the rest:
+(`Sequence.draft_token_ids`, from a `Proposer`: engine/ngram_proposer.py or
+engine/draft_proposer.py, asked once a step for every decoding sequence), when the budget and
+free blocks allow (speculation never preempts). `accept_drafts` keeps the accepted proposals' KV
+and rewinds the rest:
 
     token_ids  ... t  | d1 d2 d3        chunk of 4 computed; verdict: d1 accepted, d2 rejected
     after      ... t d1 c               c: the target's token; t, d1 computed, c to run next step
@@ -33,10 +35,11 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.config import SpeculativeConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.ngram_proposer import propose_ngram
+from engine.ngram_proposer import NgramProposer
 from engine.sampler import SampleResult
 from engine.sequence import Sequence, SequenceStatus
 
@@ -60,6 +63,17 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
 
+class Proposer(Protocol):
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to k proposed next tokens for each (sequence, k), in one call: a draft model
+        runs them as one batch."""
+        ...
+
+    def forget(self, seq_id: str) -> None:
+        """The sequence finished: free what is kept for it (a draft's KV)."""
+        ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -68,9 +82,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,  # None: speculative's n-gram lookup
     ) -> None:
         self.kv = kv
         self.speculative = speculative
+        if proposer is None and speculative is not None:
+            proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -198,13 +216,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        spec = self._speculation()
+        drafts = self._drafts()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if spec is not None and seq.num_tokens - seq.num_computed_tokens == 1:  # decoding
-                seq.draft_token_ids = self._propose(seq, spec, budget - 1)
+            if seq.seq_id in drafts:
+                seq.draft_token_ids = self._fit(seq, drafts[seq.seq_id], budget - 1)
                 num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new, out.preempted):
                 break
@@ -218,39 +236,47 @@ class Scheduler:
             self._admit(budget, out)
         return out
 
-    def _speculation(self) -> SpeculativeConfig | None:
-        """The settings if this step proposes: speculation on and the batch below its limit."""
-        spec = self.speculative
-        if spec is None or (
-            spec.disable_by_batch_size is not None
-            and len(self.running) >= spec.disable_by_batch_size
-        ):
-            return None
-        return spec
+    def _drafts(self) -> dict[str, list[int]]:
+        """This step's proposals by sequence id: none when speculation is off, or the batch is at
+        its disable_by_batch_size."""
+        spec, proposer = self.speculative, self.proposer
+        if spec is None or proposer is None:
+            return {}
+        limit = spec.disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
+            return {}
+        wanted = [(seq, k) for seq in self.running if (k := self._room(seq, spec)) > 0]
+        if not wanted:
+            return {}
+        proposals = proposer.propose(wanted)
+        return {seq.seq_id: p for (seq, _), p in zip(wanted, proposals, strict=True) if p}
 
-    def _propose(self, seq: Sequence, spec: SpeculativeConfig, room: int) -> list[int]:
-        """A decoding sequence's proposals, within `room` more tokens of the step's budget, its
-        max_tokens and the context length, their blocks allocated; [] when it does not speculate
-        (beam, thinking budget, prefill-only) or the blocks are not free. Under a grammar, the
-        proposals stop before the first token it forbids: a forbidden one could never be
-        accepted, and every token verified must have a grammar state to be masked by."""
-        sampling = seq.sampling
+    def _room(self, seq: Sequence, spec: SpeculativeConfig) -> int:
+        """How many proposals a sequence may have: 0 unless it is decoding (its last token is
+        all it has to run) and speculates (not a beam, a thinking budget, a prefill-only or an
+        embedding request); else within its max_tokens and the context length."""
         if (
-            seq.beam is not None
+            seq.num_tokens - seq.num_computed_tokens != 1
+            or seq.beam is not None
             or seq.prefill_only
-            or sampling.thinking is not None
+            or seq.sampling.thinking is not None
             or seq.params.embed
         ):
-            return []
-        k = min(
+            return 0
+        return min(
             spec.num_speculative_tokens,
-            room,
             seq.params.max_tokens - len(seq.output_token_ids) - 1,  # room for the target's token
             self.max_model_len - seq.num_tokens - 1,
         )
-        draft = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if draft and sampling.matcher is not None:
-            draft = draft[: sampling.matcher.validate_tokens(draft)]
+
+    def _fit(self, seq: Sequence, draft: list[int], room: int) -> list[int]:
+        """The proposals this step takes: within `room` more tokens of the step's budget, cut
+        before the first token the grammar (if any) forbids, their blocks allocated; [] when the
+        blocks are not free. A forbidden proposal could never be accepted, and every position
+        verified must have a grammar state to be masked by."""
+        draft = draft[:room]
+        if draft and seq.sampling.matcher is not None:
+            draft = draft[: seq.sampling.matcher.validate_tokens(draft)]
         if draft and not self.kv.allocate_slots(
             seq.seq_id, seq.num_computed_tokens + 1 + len(draft)
         ):
@@ -387,6 +413,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
 
 
 def _insert(queue: list[Sequence], seq: Sequence) -> None:

@@ -25,8 +25,13 @@ from engine.ucx_network import ucx_environment
 
 
 def engine_config(
-    config: ClusterConfig, max_num_seqs: int, max_num_batched_tokens: int | None
+    config: ClusterConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    decodes: bool = True,
 ) -> EngineConfig:
+    """`decodes`: the engine decodes past the first token (a generation worker, aggregated or
+    not); a context worker's does not, and loads no draft model."""
     if max_num_batched_tokens is None:
         max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[config.device]
     return EngineConfig(
@@ -40,7 +45,7 @@ def engine_config(
         kv_offload=config.kv_cache.offload,
         quantization=config.quantization,
         lora=config.lora,
-        speculative=config.speculative,
+        speculative=config.speculative if decodes else None,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=config.max_model_len,
@@ -55,7 +60,10 @@ def build_engine(
     if config.device == "cpu":
         torch.set_num_threads(place_engine(config, worker_id))
     os.environ.update(ucx_environment(config.internal_host, config.port_range))
-    engine = LLMEngine(engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens))
+    decodes = isinstance(workers, GenerationWorkersConfig)
+    engine = LLMEngine(
+        engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens, decodes)
+    )
     kv_cache = engine.kv_cache
     agent = KVTransferAgent(
         f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes, kv_cache.layout

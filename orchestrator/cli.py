@@ -125,9 +125,11 @@ def up(config_path: str | None, ready_timeout_s: float) -> int:
         print(f"error: {'; '.join(busy)}: is another cluster running? (`orchestrator status`); "
               "nothing was started", file=sys.stderr)  # fmt: skip
         return 2
-    rc = ensure_model(config.model, config.dtype)
-    if rc != 0:
-        return rc
+    draft = config.speculative.model if config.speculative else None  # built here too
+    for model in (config.model, *([draft] if draft else [])):
+        rc = ensure_model(model, config.dtype)
+        if rc != 0:
+            return rc
     return run_cluster(config, config_path, ready_timeout_s=ready_timeout_s)
 
 

@@ -1,7 +1,8 @@
-"""Speculative decoding (cluster.yaml `speculative`, n-gram proposals) through a real cluster in
-both modes: greedy completions, streamed or not, with log-probs and a stop string, equal one
-engine in process without speculation; proposals are accepted (the spec_decode counters in
-/metrics); nothing is held after."""
+"""Speculative decoding (cluster.yaml `speculative`: n-gram proposals, and a draft model: the
+served model drafting for itself) through a real cluster in both modes: greedy completions,
+streamed or not, with log-probs and a stop string, equal one engine in process without
+speculation; proposals are accepted (the spec_decode counters in /metrics); beam search is a 400;
+nothing is held after."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from tests.integration.test_observability import metrics
 pytestmark = pytest.mark.long
 
 MAX_NEW = 40
-SPECULATIVE = "speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 3}\n"
+SPECULATIVE = {
+    "ngram": "speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 3}\n",
+    "draft_model": f"speculative: {{method: draft_model, model: '{MODEL}', "
+    "num_speculative_tokens: 4}\n",
+}
 # prompts the tiny model copies from (proposals accepted) and one it does not
 PROMPTS = [
     "one two three four five one two three four five one two three four five one two",
@@ -38,13 +43,15 @@ def expected() -> list[tuple[list[int], list[float], str]]:
     ]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
 def test_greedy_completions_equal_without_speculation_and_nothing_is_held(
     mode: str,
+    method: str,
     start_cluster: Callable[..., Cluster],
     expected: list[tuple[list[int], list[float], str]],
 ) -> None:
-    cluster = start_cluster(mode, extra=SPECULATIVE)
+    cluster = start_cluster(mode, extra=SPECULATIVE[method])
     client = openai.OpenAI(base_url=cluster.base_url, api_key="-", timeout=60, max_retries=0)
     options = {"model": MODEL, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 1}
     body = {"return_token_ids": True, "ignore_eos": True}
@@ -62,6 +69,9 @@ def test_greedy_completions_equal_without_speculation_and_nothing_is_held(
     cut = client.completions.create(prompt=prompt, stop=[stop], extra_body=body, **options)
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="speculative"):
+        client.completions.create(prompt=prompt, best_of=2, extra_body={"use_beam_search": True},
+                                  **options)  # fmt: skip
     info = cluster.wait_idle()
     busy = [w for w in info.workers if w.blocks_used or w.blocks_leased or w.active_requests]
     assert not busy, busy
