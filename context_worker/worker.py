@@ -90,7 +90,11 @@ class ContextWorker:
         self.out: Outbox = []  # what the current handle() / step() sends
 
     def stats(self) -> WorkerStats:
-        return worker_stats(self.engine, len(self.prefilling) + len(self.leases))
+        stats = worker_stats(self.engine, len(self.prefilling) + len(self.leases))
+        if self.tier_share is not None:
+            stats.kv_offload_peer_blocks_read = self.tier_share.num_blocks_read
+            stats.kv_offload_peer_read_failures = self.tier_share.num_failed_reads
+        return stats
 
     def wait_ms(self) -> int:
         return 0 if self.engine.has_unfinished() else IDLE_POLL_MS

@@ -112,7 +112,7 @@ def to_delta(out: TokenOutput) -> TokenDelta:
 def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -> WorkerStats:
     """`num_queued`: requests the worker holds outside the engine (waiting for blocks)."""
     usage, admission = engine.kv_usage, engine.admission
-    return WorkerStats(
+    stats = WorkerStats(
         active_requests=active_requests,
         active_tokens=engine.num_active_tokens,
         num_running=engine.num_batched,
@@ -131,6 +131,14 @@ def worker_stats(engine: LLMEngine, active_requests: int, num_queued: int = 0) -
         spec_decode_num_draft_tokens=engine.spec.num_draft_tokens,
         spec_decode_num_accepted_tokens=engine.spec.num_accepted_tokens,
     )
+    offload = engine.kv.offload
+    if offload is not None:
+        stats.kv_offload_host_blocks = len(offload.host)
+        stats.kv_offload_disk_blocks = len(offload.disk) if offload.disk is not None else 0
+        stats.kv_offload_stored_blocks = offload.num_offloaded_blocks
+        stats.kv_offload_restored_blocks = offload.num_restored_blocks
+        stats.kv_offload_disk_restored_blocks = offload.num_disk_restored_blocks
+    return stats
 
 
 def kv_events(engine: LLMEngine, worker_id: str) -> KVEvents | None:

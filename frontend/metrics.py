@@ -173,6 +173,48 @@ WORKER_FAMILIES: list[tuple[type, str, str, Callable[[WorkerInfo], float | None]
         lambda w: _engine(w, w.spec_decode_num_accepted_tokens),
     ),
     (
+        _G,
+        "pdcluster_kv_offload_host_blocks",
+        "KV blocks in the host-memory offload tier",
+        lambda w: _engine(w, w.kv_offload_host_blocks),
+    ),
+    (
+        _G,
+        "pdcluster_kv_offload_disk_blocks",
+        "KV blocks in the disk offload tier",
+        lambda w: _engine(w, w.kv_offload_disk_blocks),
+    ),
+    (
+        _C,
+        "pdcluster_kv_offload_stored_blocks",
+        "KV blocks evicted from the pool into the offload tier",
+        lambda w: _engine(w, w.kv_offload_stored_blocks),
+    ),
+    (
+        _C,
+        "pdcluster_kv_offload_restored_blocks",
+        "KV blocks copied back from the offload tier instead of recomputed",
+        lambda w: _engine(w, w.kv_offload_restored_blocks),
+    ),
+    (
+        _C,
+        "pdcluster_kv_offload_disk_restored_blocks",
+        "KV blocks restored from the disk tier",
+        lambda w: _engine(w, w.kv_offload_disk_restored_blocks),
+    ),
+    (
+        _C,
+        "pdcluster_kv_offload_peer_blocks_read",
+        "KV blocks read from peer context workers' host tiers over NIXL",
+        lambda w: _engine(w, w.kv_offload_peer_blocks_read),
+    ),
+    (
+        _C,
+        "pdcluster_kv_offload_peer_read_failures",
+        "Reads of a peer's host tier that failed (the prompt was recomputed)",
+        lambda w: _engine(w, w.kv_offload_peer_read_failures),
+    ),
+    (
         _C,
         "pdcluster_nixl_transfer_bytes",
         "KV bytes pulled over NIXL",

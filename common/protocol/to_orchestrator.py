@@ -40,6 +40,8 @@ class GenerateRequest(_Message, tag="generate"):
     cache_salt: str | None = None
     priority: int = 0
     lora_name: str | None = None  # `model:` named a LoRA adapter (None: the base model)
+    # the seed's conversation_params: the orchestrator keeps a conversation on its last workers
+    conversation_id: str | None = None
     # Made by the frontend, where the tokens are, so that the orchestrator (the cluster's one
     # serial stage) never decodes a prompt: its length (load, the local-prefill threshold) and,
     # for the kv_aware router, its chained block hashes (common/block_hash.py)
@@ -137,6 +139,16 @@ class WorkerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # the KV offload tier (kv_cache.offload): blocks held in host memory and on disk now, blocks
+    # copied there from the pool, copied back instead of recomputed (and of those, from disk),
+    # and blocks read from peers' host tiers over NIXL (and reads that failed)
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_restored_blocks: int = 0
+    kv_offload_disk_restored_blocks: int = 0
+    kv_offload_peer_blocks_read: int = 0
+    kv_offload_peer_read_failures: int = 0
 
 
 class Heartbeat(_Message, tag="heartbeat"):

@@ -27,6 +27,7 @@ from bench.kv_offload import (
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from tests.integration.harness import MODEL, Cluster, stop
+from tests.integration.test_observability import metrics
 
 pytestmark = pytest.mark.long
 
@@ -91,6 +92,12 @@ def test_context_workers_read_each_others_host_tiers(
         if "prompt blocks read from" in line
     ]
     assert sum(reads) > 0, "no context worker read a peer's host tier"
+    cluster.wait_idle()  # every worker's stats from after the last request
+    scrape = metrics(cluster)
+    assert sum(scrape["pdcluster_kv_offload_peer_blocks_read_total"].values()) == sum(reads)
+    assert sum(scrape["pdcluster_kv_offload_stored_blocks_total"].values()) > 0
+    assert sum(scrape["pdcluster_kv_offload_restored_blocks_total"].values()) >= sum(reads)
+    assert sum(scrape["pdcluster_kv_offload_host_blocks"].values()) > 0
 
 
 def test_a_peer_killed_while_its_tier_is_read_leaves_the_reader_to_recompute(

@@ -12,6 +12,7 @@ import pytest
 from common.config import KVOffloadConfig
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
+from engine.worker_bridge import worker_stats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # the pool: 96 tokens
@@ -90,6 +91,12 @@ def test_multi_turn_with_the_tier_keeps_tokens_and_computes_less(
             without_tier.prompt_tokens_computed,
         )
         assert_all_freed(llm)
+        stats = worker_stats(llm.engine, 0)  # what heartbeats carry to /metrics
+        assert stats.kv_offload_stored_blocks == offload.num_offloaded_blocks > 0
+        assert stats.kv_offload_restored_blocks == offload.num_restored_blocks
+        assert stats.kv_offload_disk_restored_blocks == offload.num_disk_restored_blocks
+        assert stats.kv_offload_host_blocks == len(offload.host) > 0
+        assert (stats.kv_offload_disk_blocks > 0) == (level == "host+disk")
     finally:
         offload.close()
     if offload.disk is not None:
