@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram proposals) on a repetitive workload: the cluster with
-`speculative` off and on, and vLLM with its n-gram speculation off and on, in one run.
+"""Speculative decoding (n-gram proposals, and a draft model with --draft-model) on a repetitive
+workload: the cluster with `speculative` off and on, and vLLM with its n-gram speculation off and
+on, in one run.
 
 Workload (seeded): chat prompts whose answer copies the prompt, as users of prompt lookup send
 them: "summarise this passage, quoting it" over passages of bench/data/gpl-3.txt, and "repeat this
@@ -16,6 +17,7 @@ token for token to the same system's answers without speculation.
 
     .venv/bin/python -m bench.spec_decode [--model builtin:smollm2-135m] [--no-vllm]
                                           [--disable-by-batch-size N ...]
+                                          [--draft-model builtin:smollm2-135m-q4 ...]
                                           [--out bench/results/spec_decode.json]
 """
 
@@ -221,6 +223,9 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, nargs="*", default=[],
                         help="more cluster settings: n-gram with speculative.disable_by_batch_size "
                         "N (vLLM 0.32 has no such key)")  # fmt: skip
+    parser.add_argument("--draft-model", nargs="*", default=[],
+                        help="more cluster settings: method draft_model with this draft, k as "
+                        "n-gram's (vLLM is run with n-gram speculation only)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/spec_decode.json")
     args = parser.parse_args()
@@ -242,6 +247,10 @@ def main() -> None:
                     **SPEC_SETTINGS,
                     "disable_by_batch_size": n,
                 }
+            for draft in args.draft_model:
+                settings[f"draft_model_{draft}"] = {
+                    "method": "draft_model", "model": draft, "num_speculative_tokens": K,
+                }  # fmt: skip
             system = {
                 name: run_cluster(args.model, prompts, workdir, mode, name, spec)
                 for name, spec in settings.items()
