@@ -171,3 +171,18 @@ def test_a_draft_of_another_tokenizer_is_refused_before_it_loads(
 ) -> None:
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         LLM(str(tiny_model_path), num_blocks=64, speculative=drafting(str(smollm2_path)))
+
+
+def test_a_pool_too_small_for_every_shadow_still_decodes_right(tiny_model_path: Path) -> None:
+    """Seven sequences in a pool that holds about four: the target preempts and recomputes,
+    the draft's shadows fail to get blocks and propose nothing; the output is plain decoding's
+    and nothing is held after."""
+    tight = {"num_blocks": 48, "block_size": BLOCK}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = LLM(str(tiny_model_path), **tight).generate(PROMPTS, params)
+    spec = drafting(str(tiny_model_path))
+    llm = LLM(str(tiny_model_path), speculative=spec, **tight)
+    got = llm.generate(PROMPTS, params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    assert llm.engine.spec.num_accepted_tokens > 0
+    assert_nothing_held(llm)
