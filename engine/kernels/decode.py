@@ -26,6 +26,7 @@ denominator); with one split, stage 1 starts its online softmax from the sink (m
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +37,11 @@ BLOCK_N = 64  # keys per tile
 MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more to merge than it saves
 MAX_SPLITS = 64
 WAVES_PER_SM = 4  # programs per SM the split heuristic aims for
+# A small batch (fewer (sequence, KV head) programs than SMs) is latency-bound: its few programs
+# each walk a long chain of dependent tile loads while most SMs idle (an H200 at batch 1: 4-18 %
+# of the copy bandwidth). It gets shorter tiles and shorter splits, so more programs read at once.
+SMALL_BATCH_BLOCK_N = 32
+SMALL_BATCH_MIN_TOKENS_PER_SPLIT = 64
 
 
 # LOG2E, tanh, dot, load_kv_tiles, attend_tile and needs_upcast are shared with prefill.py.
@@ -239,13 +245,37 @@ def device_num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context_len: int, num_sms: int, min_tokens: int | None = None
+) -> int:
     """Split until batch * kv_heads * splits is about WAVES_PER_SM programs per SM, keeping splits
-    at least MIN_TOKENS_PER_SPLIT long and at most MAX_SPLITS of them."""
+    at least `min_tokens` long (default MIN_TOKENS_PER_SPLIT) and at most MAX_SPLITS of them."""
     programs = max(1, batch * num_kv_heads)
     by_occupancy = WAVES_PER_SM * num_sms // programs
-    by_length = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
+    by_length = max(1, max_context_len // (min_tokens or MIN_TOKENS_PER_SPLIT))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """One launch's tuning: splits of the context, keys per tile, warps per program."""
+
+    num_splits: int
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+
+
+def choose_decode_config(
+    batch: int, num_kv_heads: int, max_context_len: int, num_sms: int
+) -> DecodeConfig:
+    """The split heuristic, with small batches (fewer programs than SMs) on short tiles and
+    short splits: bench/kernels.py's sweep times the alternatives per shape on a GPU."""
+    if batch * num_kv_heads < num_sms:
+        splits = choose_num_splits(
+            batch, num_kv_heads, max_context_len, num_sms, SMALL_BATCH_MIN_TOKENS_PER_SPLIT
+        )
+        return DecodeConfig(splits, SMALL_BATCH_BLOCK_N)
+    return DecodeConfig(choose_num_splits(batch, num_kv_heads, max_context_len, num_sms))
 
 
 def paged_decode_attention(
@@ -259,8 +289,11 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_decode_attention_ref`; `num_splits` overrides the split heuristic.
+    """Same contract as `paged_decode_attention_ref`; `num_splits`, `block_n` (keys per tile, a
+    power of two >= 16) and `num_warps` override the heuristic's (choose_decode_config).
 
     q: (batch, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
     head_dim), any strides, or int8 rows of head_dim + 4 (kv_quant.py); block_tables: (batch,
@@ -270,11 +303,12 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_splits is None:
-        # The block table's width bounds every context without reading context_lens on the host.
-        max_context_len = block_tables.shape[1] * page_size
-        num_sms = device_num_sms(q.device)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, num_sms)
+    # The block table's width bounds every context without reading context_lens on the host.
+    max_context_len = block_tables.shape[1] * page_size
+    chosen = choose_decode_config(batch, num_kv_heads, max_context_len, device_num_sms(q.device))
+    num_splits = num_splits or chosen.num_splits
+    block_n = block_n or chosen.block_n
+    num_warps = num_warps or chosen.num_warps
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
@@ -292,11 +326,11 @@ def paged_decode_attention(
         scale, soft_cap or 0.0, sliding_window or 0, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
         HAS_SINKS=sinks is not None, SINGLE_SPLIT=num_splits == 1, UPCAST=needs_upcast(q),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INT8=k_cache.dtype == torch.int8, num_warps=4, num_stages=2,
+        INT8=k_cache.dtype == torch.int8, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         decode_reduce_kernel[(batch, num_heads)](

@@ -182,6 +182,35 @@ def test_decode_split_heuristic() -> None:
     assert decode.choose_num_splits(4, 8, 100, h200_sms) == 1  # too short to be worth a merge
 
 
+def test_small_batches_get_short_tiles_and_more_splits() -> None:
+    """Batch 1-8 at short contexts (fewer programs than SMs): 32-key tiles and splits down to 64
+    tokens; a batch that fills the SMs keeps 64-key tiles and the 256-token splits."""
+    h100_sms = 132
+    small = decode.choose_decode_config(1, 8, 1024, h100_sms)
+    assert small.block_n == decode.SMALL_BATCH_BLOCK_N
+    assert small.num_splits == 1024 // decode.SMALL_BATCH_MIN_TOKENS_PER_SPLIT  # 16, was 4
+    assert decode.choose_decode_config(8, 8, 512, h100_sms).num_splits == 8  # by length
+    assert decode.choose_decode_config(4, 2, 16384, h100_sms).num_splits == decode.MAX_SPLITS
+    big = decode.choose_decode_config(64, 8, 4096, h100_sms)
+    assert big == decode.DecodeConfig(1, decode.BLOCK_N)
+    assert decode.choose_decode_config(16, 8, 4096, h100_sms).block_n == decode.BLOCK_N
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_n, num_splits", [(16, 1), (16, 5), (32, 3), (32, 16)])
+def test_decode_short_tiles_merge_to_reference(block_n: int, num_splits: int) -> None:
+    """The small-batch tunings (16- and 32-key tiles, splits of one tile or less) give the
+    reference's output; 16 splits of 32 keys leave the short sequence's later splits empty."""
+    torch.manual_seed(4)
+    cache = PagedCache(
+        [3, 77, 200], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16
+    )
+    q = torch.randn(3, 14, 64, dtype=torch.bfloat16, device=DEVICE)  # group 7, as Qwen2.5-0.5B
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, 0.125)
+    out = decode.paged_decode_attention(*args, num_splits=num_splits, block_n=block_n, num_warps=2)
+    assert_close(out, paged_decode_attention_ref(*args))
+
+
 # --- prefill --------------------------------------------------------------------------------------
 
 PREFILL_SHAPES = [  # (dtype, num_heads, num_kv_heads, head_dim, block_size)
