@@ -47,6 +47,9 @@ class FrontendConfig(_Section, frozen=True):
     # Anthropic Message Batches (kept in the same store): the requests of one batch in flight at
     # once, run by the frontend process that created it below interactive requests' priority
     batch_concurrency: Positive = 16
+    # The seed's internal render / generate routes (frontend/render_routes.py): a separate
+    # surface, for a router in front that wants prompt token ids; off unless asked for
+    render_endpoints: bool = False
 
 
 class OrchestratorConfig(_Section, frozen=True):

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import llguidance
 
 from common import harmony
+from common.closed_schema import closed
 from common.errors import InvalidRequest
 from common.sampling_params import GuidedDecoding
 
@@ -183,7 +184,9 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
-    return f"%json {json.dumps({**schema, 'x-guidance': _COMPACT}, ensure_ascii=False)}"
+    """Lark for a JSON value under `schema`, its objects closed to undeclared keys (each key
+    once: common/closed_schema.py)."""
+    return f"%json {json.dumps({**closed(schema), 'x-guidance': _COMPACT}, ensure_ascii=False)}"
 
 
 # JSON without free whitespace runs: a weak model would otherwise spend its tokens on blanks.
@@ -192,7 +195,7 @@ _COMPACT: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
 
 def json_schema(schema: dict[str, Any], source: str = "json_schema") -> GuidedDecoding:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=_COMPACT)
     except ValueError as e:
         raise InvalidRequest(f"{source}: not a usable JSON schema: {e}", source) from None
     return GuidedDecoding(grammar=grammar, source=source)
@@ -296,7 +299,7 @@ def triggered_tool_calls(functions: list[dict[str, Any]]) -> GuidedDecoding:
         llguidance.StructTag(
             trigger="<tool_call>",
             begin=TOOL_CALL_BEGIN,
-            grammar={**tool_call_schema(f), "x-guidance": _COMPACT},
+            grammar={**closed(tool_call_schema(f)), "x-guidance": _COMPACT},
             end="\n</tool_call>",
         )
         for f in functions

@@ -140,7 +140,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A streamed chat delta: only the fields that changed ("{}" on a bare finish chunk)."""
 
     role: Literal["assistant"] | UnsetType = UNSET
-    content: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET  # null: a turn that opens with a tool call (OpenAI's)
     reasoning_content: str | UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 

@@ -28,6 +28,8 @@ from frontend import (
     lora,
     metrics,
     openai_routes,
+    ops_routes,
+    render_routes,
     responses_routes,
 )
 from frontend.batch_store import open_batch_store
@@ -83,7 +85,11 @@ HTTP_ROUTES = [
     Route("/kv_cache_events", admin_routes.kv_cache_events, methods=["POST"]),
     Route("/start_profile", admin_routes.start_profile, methods=["POST"]),
     Route("/stop_profile", admin_routes.stop_profile, methods=["POST"]),
-    Route("/metrics", admin_routes.prometheus_metrics, methods=["GET"]),
+    Route("/metrics", ops_routes.metrics, methods=["GET"]),
+    Route("/prometheus/metrics", admin_routes.prometheus_metrics, methods=["GET"]),
+    Route("/steady_clock_offset", ops_routes.steady_clock_offset, methods=["GET"]),
+    Route("/steady_clock_offset", ops_routes.set_steady_clock_offset, methods=["POST"]),
+    Route("/energy_metrics", ops_routes.energy_metrics, methods=["GET"]),
     Route("/openapi.json", admin_routes.openapi, methods=["GET"]),
 ]
 
@@ -91,8 +97,9 @@ HTTP_ROUTES = [
 def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) -> Starlette:
     """The app over `client`: the route table, the stores and batch runner in its state, the
     API-key and request-count middleware, and a lifespan that starts and closes the client."""
+    routes = HTTP_ROUTES + (render_routes.ROUTES if config.frontend.render_endpoints else [])
     app = Starlette(
-        routes=HTTP_ROUTES,
+        routes=routes,
         lifespan=_lifespan,
         exception_handlers={
             InvalidRequest: _invalid_request,
@@ -119,7 +126,7 @@ def build_app(config: ClusterConfig, client: ClusterClient, model: ModelInfo) ->
     )
     if config.frontend.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.frontend.api_key)
-    app.add_middleware(metrics.RequestCounter, routes=frozenset(r.path for r in HTTP_ROUTES))
+    app.add_middleware(metrics.RequestCounter, routes=frozenset(r.path for r in routes))
     return app
 
 

@@ -25,7 +25,7 @@ from common.parser_choice import ParserState, reasoning_parser_for
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import ThinkingBudget
 from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
-from frontend import harmony_prompt
+from frontend import harmony_prompt, seed_extensions
 from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, check_token_ids, new_request_id
 from frontend.model_info import ModelInfo
@@ -36,6 +36,13 @@ from frontend.sampling import (
     max_tokens_for,
     sampling_params,
     stop_list,
+)
+from frontend.seed_extensions import (
+    ConversationParams,
+    LoRARequest,
+    SchedulingParams,
+    check_disaggregated,
+    conversation_id,
 )
 from frontend.structured import (
     ResponseFormat,
@@ -149,6 +156,11 @@ class ChatCompletionRequest(
     add_generation_prompt: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    # the seed's serving extensions (frontend/seed_extensions.py)
+    lora_request: LoRARequest | None = None
+    conversation_params: ConversationParams | None = None
+    scheduling_params: SchedulingParams | None = None
+    disaggregated_params: dict[str, Any] | None = None
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
@@ -184,6 +196,7 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     check_logprobs(body.top_logprobs, "top_logprobs")
     check_unsupported(body)
+    check_disaggregated(body.disaggregated_params)
     if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
     for i, message in enumerate(body.messages):
@@ -308,7 +321,7 @@ def to_generate_request(
         tools,
         body.tool_choice,
         syntax=syntax,
-        parallel=body.parallel_tool_calls is not False,
+        parallel=body.parallel_tool_calls,
         thinking=thinking_mode(model, rendered.template_text),
     )
     other = from_guided_fields(
@@ -359,6 +372,7 @@ def to_generate_request(
         created=int(time.time()),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         stop=stop_list(body.stop) + list(plan.stop),
         skip_special_tokens=body.skip_special_tokens,
         parser_state=parser_state(model, rendered, plan),
@@ -373,7 +387,8 @@ def to_generate_request(
         output=output,
         reply_to=reply_to,
         cache_salt=body.cache_salt,
-        priority=body.priority,
+        priority=seed_extensions.priority(body.priority, body.scheduling_params),
+        conversation_id=conversation_id(body.conversation_params),
     )
 
 

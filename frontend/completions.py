@@ -13,6 +13,7 @@ from common.errors import InvalidRequest
 from common.guided import check
 from common.protocol import GenerateRequest, OutputOptions, decode_token_ids, encode_token_ids
 from common.sampling_params import MAX_N
+from frontend import seed_extensions
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -23,11 +24,19 @@ from frontend.sampling import (
     sampling_params,
     stop_list,
 )
+from frontend.seed_extensions import (
+    ConversationParams,
+    LoRARequest,
+    SchedulingParams,
+    check_disaggregated,
+    conversation_id,
+)
 from frontend.structured import ResponseFormat, from_guided_fields
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # the seed's and vLLM's: the usage so far on every chunk
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
@@ -48,6 +57,11 @@ class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True
     cache_salt: str | None = None
     priority: int = 0
     prompt_token_ids_b64: str | None = None  # base64 of little-endian int32 ids, instead of prompt
+    # the seed's serving extensions (frontend/seed_extensions.py)
+    lora_request: LoRARequest | None = None
+    conversation_params: ConversationParams | None = None
+    scheduling_params: SchedulingParams | None = None
+    disaggregated_params: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -143,6 +157,9 @@ def to_generate_requests(
     if ranked and body.stream:
         raise InvalidRequest("best_of cannot be streamed: the best are known at the end", "best_of")
     check_logprobs(body.logprobs, "logprobs")
+    check_disaggregated(body.disaggregated_params)
+    priority = seed_extensions.priority(body.priority, body.scheduling_params)
+    conversation = conversation_id(body.conversation_params)
     constraint = from_guided_fields(
         body.response_format, body.guided_json, body.guided_regex, body.guided_grammar
     )
@@ -181,6 +198,9 @@ def to_generate_requests(
             created=created,
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            continuous_usage=bool(
+                body.stream_options and body.stream_options.continuous_usage_stats
+            ),
             echo_prompt=text if body.echo else None,
             echo_only=echo_only,
             keep_best=body.n if ranked else 0,
@@ -201,7 +221,8 @@ def to_generate_requests(
                 output=output,
                 reply_to=reply_to,
                 cache_salt=body.cache_salt,
-                priority=body.priority,
+                priority=priority,
+                conversation_id=conversation,
             )
         )
     return requests

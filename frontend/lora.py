@@ -1,5 +1,6 @@
 """Multi-LoRA at the frontend: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
-routes and bodies), `model: <adapter name>` on the generation routes, and the adapters' cards
+routes and bodies), `model: <adapter name>` on the generation routes (or the seed's
+`lora_request` on completions and chat), and the adapters' cards
 in GET /v1/models (vLLM's shape: `parent` is the base model).
 
 The orchestrator holds the cluster's adapter table (cluster.yaml's, then each round's outcome:
@@ -18,6 +19,7 @@ from common.errors import InvalidRequest
 from common.protocol import GenerateRequest, LoRACommand
 from frontend.endpoint import FrontendState, NotFound, decode_body, state_of
 from frontend.generation import error_response
+from frontend.seed_extensions import LoRARequest
 
 ANSWER_TIMEOUT_S = 130.0  # past the orchestrator's round deadline (lora_round.py)
 REFRESH_TIMEOUT_S = 1.0
@@ -45,6 +47,42 @@ async def lora_of(state: FrontendState, name: str | None) -> str | None:
             state.lora_adapters = dict(info.lora_adapters)
     if name not in state.lora_adapters:
         raise NotFound(f"the model {name!r} does not exist", "model", "model_not_found")
+    return name
+
+
+async def lora_for(
+    state: FrontendState, model: str | None, request: LoRARequest | None
+) -> str | None:
+    """The adapter a completions or chat request runs with: `model`'s, or the seed's
+    `lora_request` naming a loaded adapter (its path, when given, must be the one loaded: an
+    adapter is loaded by POST /v1/load_lora_adapter, never by a generation request)."""
+    by_model = await lora_of(state, model)
+    if request is None:
+        return by_model
+    if state.config.lora is None:
+        raise InvalidRequest(
+            "lora_request: LoRA is off (set `lora` in cluster.yaml)", "lora_request"
+        )
+    name = request.lora_name
+    if by_model is not None and by_model != name:
+        raise InvalidRequest(
+            f"model names the adapter {by_model!r} and lora_request {name!r}", "lora_request"
+        )
+    if name not in state.lora_adapters:
+        await refresh_adapters(state)
+    path = state.lora_adapters.get(name)
+    if path is None:
+        raise InvalidRequest(
+            f"lora_request names {name!r}, which is not loaded: load it first with "
+            "POST /v1/load_lora_adapter",
+            "lora_request",
+        )
+    if request.lora_path is not None and request.lora_path != path:
+        raise InvalidRequest(
+            f"lora_request.lora_path {request.lora_path!r} is not where {name!r} was loaded "
+            f"from ({path!r}); adapters are loaded by POST /v1/load_lora_adapter",
+            "lora_request",
+        )
     return name
 
 

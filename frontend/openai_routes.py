@@ -1,5 +1,7 @@
 """The OpenAI generation endpoints: POST /v1/completions, /v1/chat/completions and
-/v1/embeddings. Each decodes its body, translates it off the loop and hands it to `serve`."""
+/v1/embeddings. Each decodes its body, translates it off the loop and hands it to `serve`;
+`serve_completion` and `serve_chat` also run a prepared request of POST /generate
+(frontend/render_routes.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from starlette.responses import Response
 from frontend import chat, completions, embeddings
 from frontend.endpoint import decode_body, state_of, translate
 from frontend.generation import serve
-from frontend.lora import lora_of, with_lora
+from frontend.lora import lora_for, lora_of, with_lora
 
 
 async def create_completion(request: Request) -> Response:
-    state = state_of(request)
     body = await decode_body(request, completions.CompletionRequest)
-    lora_name = await lora_of(state, body.model)
+    return await serve_completion(request, body)
+
+
+async def serve_completion(request: Request, body: completions.CompletionRequest) -> Response:
+    state = state_of(request)
+    lora_name = await lora_for(state, body.model, body.lora_request)
     generates = await translate(
         completions.to_generate_requests, body, state.model, state.client.reply_to
     )
@@ -25,9 +31,13 @@ async def create_completion(request: Request) -> Response:
 
 
 async def create_chat_completion(request: Request) -> Response:
-    state = state_of(request)
     body = await decode_body(request, chat.ChatCompletionRequest)
-    lora_name = await lora_of(state, body.model)
+    return await serve_chat(request, body)
+
+
+async def serve_chat(request: Request, body: chat.ChatCompletionRequest) -> Response:
+    state = state_of(request)
+    lora_name = await lora_for(state, body.model, body.lora_request)
     allow_template = state.config.frontend.allow_request_chat_template
     generates = await translate(
         lambda: [chat.to_generate_request(body, state.model, state.client.reply_to, allow_template)]

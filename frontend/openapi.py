@@ -76,6 +76,14 @@ ROUTES: dict[str, tuple[str, str, type | None, type | None]] = {
     "/start_profile": ("post", "Start the torch profiler on every engine worker", None, None),
     "/stop_profile": ("post", "Stop it; each worker writes its trace and op table", None, None),
     "/metrics": ("get", "Prometheus metrics of the frontends and every worker", None, None),
+    "/prometheus/metrics": ("get", "The same Prometheus metrics (the seed's path)", None, None),
+    "/steady_clock_offset": (
+        "get",
+        "receive_ts and transmit_ts on this host's monotonic clock (POST {offset}: not applied)",
+        None,
+        None,
+    ),
+    "/energy_metrics": ("get", "The host's energy counters (RAPL, NVML), or a 404", None, None),
 }
 
 

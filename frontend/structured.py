@@ -10,7 +10,12 @@ prompt prefix a forced tool call needs, and what the tool parser must know.
                                                 and the parser starts inside a call; other
                                                 formats: one call of it, by the grammar alone
 
-A tool constraint and a response_format (or guided_*) both want the one grammar: a 400.
+A forced call (required, named) beside a response_format (or guided_*): a 400, as the seed
+says: the call leaves no text for the format to shape, and keeping either would drop the
+client's other instruction. `required` makes one call unless `parallel_tool_calls` is true (the
+model repeats a call it is let to make again); several calls that repeat one (same name, same
+arguments) are dropped by the postproc worker (postproc_worker/parsers/distinct_calls.py).
+A tool's parameters hold at most MAX_TOOL_ENUM_VALUES enum values (the seed's cap).
 
 Harmony (gpt-oss, common/guided.py): every forced call by the grammar alone, one per output
 (<|call|> stops it, so parallel_tool_calls changes nothing); tool_choice none is a grammar too
@@ -30,6 +35,8 @@ from common import guided
 from common.errors import InvalidRequest
 from common.guided import HERMES, CallSyntax
 from common.sampling_params import GuidedDecoding
+
+MAX_TOOL_ENUM_VALUES = 1000  # the seed's TOOL_PARAM_MAX_ENUM_VALUES, per tool
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,15 +106,17 @@ def plan_tools(
     tools: list[dict[str, Any]],
     tool_choice: str | dict[str, Any] | None,
     syntax: CallSyntax = HERMES,
-    parallel: bool = True,
+    parallel: bool | None = None,
     thinking: guided.ThinkingMode = "off",
 ) -> ToolPlan:
     """`tools`: the request's tools as plain dicts ({"type": "function", "function": {...}});
     `syntax`: the tool parser's call format as the tokenizer spells it; `parallel`
-    False (parallel_tool_calls): one call at most, by the grammar where there is one, else by
-    stopping where the first call closes. `thinking`: what a required call's grammar lets the
-    model do before the calls (common/guided.py)."""
+    (parallel_tool_calls): False, one call at most, by the grammar where there is one, else by
+    stopping where the first call closes; None (not sent), several under auto but one under
+    required. `thinking`: what a required call's grammar lets the model do before the calls
+    (common/guided.py)."""
     functions = [t["function"] for t in tools]
+    check_enum_cap(functions)
     if tool_choice == "none" and tools and syntax.format.channels:
         return ToolPlan(guided=guided.no_tool_calls(syntax), no_calls=True)
     if tool_choice == "none" or not tools:
@@ -122,13 +131,13 @@ def plan_tools(
         return ToolPlan(
             guided=guided.triggered_tool_calls(strict) if strict else None,
             parse_tools=True,
-            stop=() if parallel or syntax.format.single else (guided.TOOL_CALL_END,),
+            stop=() if parallel is not False or syntax.format.single else (guided.TOOL_CALL_END,),
             functions=tuple(functions),
             syntax=syntax,
         )
     if tool_choice == "required":
         return ToolPlan(
-            guided=guided.required_tool_calls(functions, syntax, parallel, thinking),
+            guided=guided.required_tool_calls(functions, syntax, parallel is True, thinking),
             parse_tools=True,
         )
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
@@ -152,6 +161,32 @@ def plan_tools(
     )
 
 
+def check_enum_cap(functions: list[dict[str, Any]]) -> None:
+    """The seed's cap on a tool's enum values (all its parameters' `enum` lists together): a
+    grammar over more alternatives than that is slow to build for every request that sends it."""
+    for i, function in enumerate(functions):
+        count = _enum_values(function.get("parameters"))
+        if count > MAX_TOOL_ENUM_VALUES:
+            raise InvalidRequest(
+                f"tool {function.get('name')!r} has {count} enum values in its parameters, "
+                f"over the cap of {MAX_TOOL_ENUM_VALUES}",
+                f"tools[{i}].function.parameters",
+            )
+
+
+def _enum_values(schema: Any) -> int:
+    if isinstance(schema, list):
+        return sum(_enum_values(s) for s in schema)
+    if not isinstance(schema, dict):
+        return 0
+    own = len(schema["enum"]) if isinstance(schema.get("enum"), list) else 0
+    nested = (v for k, v in schema.items() if k not in _DATA_KEYWORDS and not (k == "enum" and own))
+    return own + sum(_enum_values(v) for v in nested)
+
+
+_DATA_KEYWORDS = ("const", "default", "examples")  # values, not schemas
+
+
 def answer_schema(
     response_format: ResponseFormat | None, guided_json: dict[str, Any] | str | None
 ) -> dict[str, Any] | None:
@@ -171,8 +206,8 @@ def combine(
 ) -> GuidedDecoding | None:
     """The one grammar of a request.
 
-    - a forced call (required, named) leaves no text for a response_format to shape: the call's
-      grammar is the answer's (as with OpenAI, where the format shapes the final text turn);
+    - a forced call (required, named) beside a response_format or guided_*: refused (the seed's
+      rule: the call leaves no text for the format to shape; keeping one drops the other);
     - tool_choice auto beside a JSON format (`schema`): the answer in that format, or calls
       (what an agent with tools and an output type asks for on every turn);
     - auto with strict tools beside a regex or Lark constraint: refused.
@@ -180,6 +215,12 @@ def combine(
     if tool_plan.no_calls and other is not None:
         return other
     if tool_plan.guided is not None and tool_plan.guided.source == "tool_choice":
+        if other is not None:
+            raise InvalidRequest(
+                f"{other.source} cannot be combined with a forced tool_choice (required or a "
+                "named function): the call leaves no text for it to shape; send one or the other",
+                other.source,
+            )
         return tool_plan.guided
     if tool_plan.parse_tools and other is not None and schema is not None:
         return guided.answer_or_tool_calls(schema, list(tool_plan.functions), tool_plan.syntax)

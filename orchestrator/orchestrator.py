@@ -56,6 +56,7 @@ from common.protocol import (
     WorkerInfo,
     pack_postproc_start,
 )
+from orchestrator.conversations import ConversationAffinity
 from orchestrator.kv_event_log import KVEventLog
 from orchestrator.lora_round import LoRARound
 from orchestrator.profile_round import ProfileRound
@@ -113,9 +114,12 @@ class Orchestrator:
         self.prefix_index = PrefixIndex()  # fed by the workers' KV events
         self.kv_events = KVEventLog()
         block_size = config.kv_cache.block_size
-        self.context_router = make_router(config.orchestrator.router, self.prefix_index, block_size)
-        self.generation_router = make_router(
-            config.orchestrator.router, self.prefix_index, block_size
+        router = config.orchestrator.router
+        self.context_router = ConversationAffinity(
+            make_router(router, self.prefix_index, block_size)
+        )
+        self.generation_router = ConversationAffinity(
+            make_router(router, self.prefix_index, block_size)
         )
         self.requests: dict[str, RequestRecord] = {}
         self.peers_version = 0
@@ -479,7 +483,9 @@ class Orchestrator:
 
     def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
         workers = self.registry.routable("context")
-        worker = self.context_router.pick(workers, self.hashes(record))
+        worker = self.context_router.pick(
+            workers, self.hashes(record), record.request.conversation_id
+        )
         record.state = State.PREFILLING
         record.prefill_attempts += 1
         self.assign(record, worker, "context_worker")
@@ -521,7 +527,9 @@ class Orchestrator:
             failed = self.failure(record.request_id, 503, NO_DECODER)
             self.fail(record.request_id, failed, out)
             return
-        worker = self.generation_router.pick(workers, self.hashes(record))
+        worker = self.generation_router.pick(
+            workers, self.hashes(record), record.request.conversation_id
+        )
         record.state = State.DECODING
         self.assign(record, worker, "generation_worker")
         decode = DecodeRequest(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from msgspec import UNSET
+
 from common.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from postproc_worker.formatter import ChoiceState, RequestState, TokenLogprob
 
 
+ROLE = DeltaMessage(role="assistant", content="")  # a text turn's first chunk
+
+
 class ChatRenderer:
     def __init__(self, state: RequestState) -> None:
         self.state = state
@@ -37,17 +42,15 @@ class ChatRenderer:
     def stream_frames(self, choice: ChoiceState, text: str) -> bytes:
         frames = b""
         index = choice.index + self.state.index_offset
-        if not choice.started:
-            choice.started = True
-            role = DeltaMessage(role="assistant", content="")
-            first = self._chunk([ChatChunkChoice(index=index, delta=role)])
-            if self.state.return_token_ids:
-                first.prompt_token_ids = self.state.prompt_token_ids
-            frames += sse(first)
         final = choice.finish_reason is not None
         delta = self.state.parsed(choice, text, final=final).delta()
         if delta == DeltaMessage() and not final:
             return frames  # nothing visible yet: logprobs (and ids) wait for the chunk with text
+        first = not choice.started
+        choice.started = True
+        if first and not self._opens_with_calls(delta):
+            frames += self._first(self._chunk([ChatChunkChoice(index=index, delta=ROLE)]))
+            first = False
         records, choice.logprobs = choice.logprobs, []
         chat_choice = ChatChunkChoice(
             index=index,
@@ -57,7 +60,24 @@ class ChatRenderer:
         )
         if self.state.return_token_ids:
             chat_choice.token_ids = choice.take_token_ids()
-        return frames + sse(self._chunk([chat_choice]))
+        chunk = self._chunk([chat_choice])
+        return frames + (self._first(chunk) if first else sse(chunk))
+
+    @staticmethod
+    def _opens_with_calls(delta: DeltaMessage) -> bool:
+        """A turn whose first visible delta is a tool call (no content) says so in its first
+        chunk, as OpenAI streams it: the role, `content: null` and the call together. Any other
+        turn gets the role in a chunk of its own first, `content: ""`."""
+        if delta.tool_calls is UNSET or delta.content is not UNSET:
+            return False
+        delta.role, delta.content = "assistant", None
+        return True
+
+    def _first(self, chunk: ChatCompletionChunk) -> bytes:
+        """A choice's first chunk: with return_token_ids, the prompt's ids."""
+        if self.state.return_token_ids:
+            chunk.prompt_token_ids = self.state.prompt_token_ids
+        return sse(chunk)
 
     def end_frames(self) -> bytes:
         return end_of_stream(self.state, lambda usage: self._chunk([], usage))
@@ -102,7 +122,7 @@ class ChatRenderer:
             created=state.created,
             model=state.model,
             choices=choices,
-            usage=usage if usage is not None else chunk_usage(state.include_usage),
+            usage=usage if usage is not None else chunk_usage(state),
         )
 
     def _finish_reason(self, choice: ChoiceState) -> str | None:

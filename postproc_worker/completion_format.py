@@ -74,7 +74,7 @@ class CompletionRenderer:
             created=state.created,
             model=state.model,
             choices=choices,
-            usage=usage if usage is not None else chunk_usage(state.include_usage),
+            usage=usage if usage is not None else chunk_usage(state),
         )
 
     def _logprobs(

@@ -168,6 +168,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.stream = options.stream
         self.include_usage = options.include_usage
+        self.continuous_usage = options.continuous_usage
         self.fanned_out = options.fanned_out  # streamed: the frontend writes the ending
         self.model = options.model
         self.created = options.created

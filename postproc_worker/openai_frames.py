@@ -50,9 +50,12 @@ def usage(num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens:
     )
 
 
-def chunk_usage(include_usage: bool) -> None | UnsetType:
-    """`"usage": null` on every chunk when the client asked for the usage chunk, else absent."""
-    return None if include_usage else UNSET
+def chunk_usage(state: RequestState) -> Usage | None | UnsetType:
+    """A chunk's usage: the counts so far with stream_options.continuous_usage_stats; else
+    `"usage": null` when the client asked for the usage chunk, and absent otherwise."""
+    if state.continuous_usage:
+        return state.usage()
+    return None if state.include_usage else UNSET
 
 
 def finite(logprob: float) -> float:

@@ -31,6 +31,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     created: int = 0
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     response_id: str = ""  # the id the client sees, when it is not the request id (prompt lists)
     index_offset: int = 0  # added to choice indexes: prompt i of a list starts at i * n
     # One of a prompt list's sub-requests: streamed, it ends with no usage chunk and no [DONE],

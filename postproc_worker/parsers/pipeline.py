@@ -1,7 +1,8 @@
 """A chat choice's text through its parsers, and the OpenAI message pieces that come out.
 
     text ──▶ special tokens out ──▶ ReasoningParser ──reasoning─────────────▶ reasoning_content
-             (but the markers)                      ──content──▶ ToolParser ──▶ content, tool_calls
+             (but the markers)                      ──content──▶ ToolParser ──▶ DistinctCalls
+                                                           ──▶ content, tool_calls (no repeats)
 
 The frontend asks for parsers in `OutputOptions.parser_state` (common/parser_choice.py); the
 postproc worker then decodes the choice with special tokens kept, whatever `skip_special_tokens`
@@ -29,6 +30,7 @@ from common.openai_schema import (
 )
 from common.parser_choice import ParserState
 from common.tokenizer import Tokenizer
+from postproc_worker.parsers.distinct_calls import DistinctCalls
 from postproc_worker.parsers.harmony import HarmonyParser
 from postproc_worker.parsers.markers import MarkerFilter, Markers
 from postproc_worker.parsers.reasoning import REASONING_PARSERS, ReasoningParser
@@ -123,6 +125,7 @@ class ChoiceParsers:
             if state.tool_parser is not None
             else None
         )
+        self._distinct = DistinctCalls()
         keep = (self._reasoning.markers if self._reasoning else ()) + (
             self._tools.markers if self._tools else ()
         )
@@ -148,6 +151,7 @@ class ChoiceParsers:
         events = self._tools.feed(content)
         if final:
             events += self._tools.finish()
+        events = self._distinct.feed(events, final=final)
         if self._harmony is not None:
             reasoning = self._harmony.take_reasoning()
         return ParsedText(reasoning, events)

@@ -158,13 +158,14 @@ def test_completions_guided_regex(oai) -> None:
     assert re.fullmatch(r"[0-9]{4}-[A-Z]{2}", result.choices[0].text)
 
 
-def test_a_forced_call_beside_a_response_format_is_the_call(oai) -> None:
-    """The call's grammar is the answer's: no text is left for the format to shape (the
-    openai-agents SDK sends both: tool_choice required and its output type)."""
+def test_a_forced_call_beside_a_response_format_is_a_400(oai) -> None:
+    """The seed's rule: a forced call leaves no text for the format to shape, and keeping
+    either would drop the client's other instruction (tool_choice auto beside a format is
+    served: the answer in the format, or calls)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    result = chat(oai, tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"})
-    (call,) = result.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)
+    with pytest.raises(openai.BadRequestError, match="forced tool_choice") as refused:
+        chat(oai, tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "response_format"
 
 
 # --- the same tools through the Anthropic Messages API --------------------------------------------

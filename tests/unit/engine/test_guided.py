@@ -299,7 +299,7 @@ def test_forced_calls_take_the_tool_parsers_format_and_parse_back(
         assert not accepts(plan.guided, two.removeprefix(prompt_prefix))
         assert not accepts(plan.guided, "Sunny in Oslo.")
         assert not accepts(plan.guided, one.replace("Oslo", "O").replace("city", "town"))
-    parallel = plan_tools(tools, "required", syntax).guided
+    parallel = plan_tools(tools, "required", syntax, parallel=True).guided
     assert accepts(parallel, two) and accepts(parallel, one.replace("get_weather", "get_time"))
     parser = TOOL_PARSERS[tool_parser]()
     events = [*parser.feed(two), *parser.finish()]

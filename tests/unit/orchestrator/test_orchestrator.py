@@ -41,6 +41,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
+from orchestrator.conversations import ConversationAffinity
 from orchestrator.orchestrator import Orchestrator, Outbox, State
 from orchestrator.profile_round import ANSWER_TIMEOUT_S
 from orchestrator.registry import WorkerRecord
@@ -421,7 +422,7 @@ def test_worker_failure_is_forwarded_to_the_frontend() -> None:
 
 def test_dead_context_worker_prefill_is_retried_on_another() -> None:
     orch = cluster(contexts=2)
-    orch.context_router = RoundRobinRouter()
+    orch.context_router = ConversationAffinity(RoundRobinRouter())
     to, _ = only(orch.handle(FRONTEND, generate(), 0.0))
     other = b"ctx-1" if to == b"ctx-0" else b"ctx-0"
     orch.handle(other, Heartbeat(worker_id=other.decode()), 4.0)
