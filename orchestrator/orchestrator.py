@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -62,6 +63,7 @@ from orchestrator.lora_round import LoRARound
 from orchestrator.profile_round import ProfileRound
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import PrefixIndex, make_router
+from orchestrator.worker_round import WorkerRound
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +355,7 @@ class Orchestrator:
             self.lora_round.on_answer(sender.decode(errors="replace"), done)
             self.end_lora_round(out)
 
-    def stop_waiting_for_the_lost(self, round_: LoRARound | ProfileRound, now: float) -> None:
+    def stop_waiting_for_the_lost(self, round_: WorkerRound[Any], now: float) -> None:
         """Each tick of a fanned-out round: a worker that died since the command is not waited
         for, nor is any once the deadline passed."""
         for worker_id in list(round_.waiting):
