@@ -9,7 +9,15 @@ and both with attention sinks (gpt-oss) against themselves without. The grouped 
 timed by bench/kernels_moe.py. Without CUDA it runs a small correctness pass in the Triton
 interpreter instead.
 
-    .venv/bin/python -m bench.kernels [--out bench/results/kernels.json]
+Batch 1-8 at short contexts is swept too (`decode_sweep`): each shape's heuristic choice
+(decode.choose_decode_config) and every (keys per tile, splits) beside it, timed as CUDA-graph
+replays (the GPU's time alone, as the engine's captured decode step sees it) against SDPA's, both
+also timed eagerly (with the host's launch cost): the next tuning of the heuristic reads it.
+
+`--dry-run` runs the GPU harness itself on the CPU in the Triton interpreter at tiny shapes
+(timings meaningless), so that a broken harness shows before a GPU is lent (bench/gpu_run.sh).
+
+    .venv/bin/python -m bench.kernels [--out bench/results/kernels.json] [--dry-run]
 """
 
 from __future__ import annotations
@@ -31,16 +39,41 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXTS = (1024, 4096, 16384)
 PREFILL_CASES = ((4, 0, 2048), (4, 4096, 512), (16, 1024, 256))  # (batch, prefix, new tokens)
+SWEEP_BATCHES = (1, 2, 4, 8)
+SWEEP_CONTEXTS = (256, 1024, 4096)
+SWEEP_BLOCK_N = (16, 32, 64)
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 DEVICE = "cuda"  # the GPU section's device (a CPU dry run of the harness may swap it)
+DRY_RUN = False  # --dry-run: the GPU section on the CPU at tiny shapes, untimed in any real sense
+
+
+def use_dry_run_shapes() -> None:
+    """Tiny shapes for the GPU section on the CPU (the Triton interpreter is ~1e5x slower)."""
+    global DEVICE, DRY_RUN, DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_CASES
+    global SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_BLOCK_N, SWEEP_SPLITS
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    from bench import kernels_moe
+
+    DEVICE, DRY_RUN = "cpu", True
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
+    DECODE_BATCHES, DECODE_CONTEXTS = (1, 2), (40, 100)
+    PREFILL_CASES = ((1, 0, 12), (2, 20, 5))
+    SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_BLOCK_N, SWEEP_SPLITS = (1, 2), (64,), (16, 32), (1, 2)
+    kernels_moe.DEVICE = "cpu"
+    kernels_moe.MOE_SHAPES = {"tiny": (4, 2, 32, 16, "silu", False)}
+    kernels_moe.MOE_TOKENS = (1, 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/kernels.json")
+    parser.add_argument("--dry-run", action="store_true", help="the GPU harness on the CPU")
     args = parser.parse_args()
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() and not args.dry_run
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernels)
+    if args.dry_run:
+        use_dry_run_shapes()
     import triton
 
     result: dict[str, Any] = {
@@ -48,10 +81,28 @@ def main() -> None:
         "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
     }
-    result |= gpu_benchmark() if on_gpu else cpu_correctness()
+    result |= gpu_benchmark() if on_gpu or args.dry_run else cpu_correctness()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    wrong = [f"{path} {err:.3g}" for path, err in errors(result) if err > MAX_ABS_ERR]
+    if wrong:  # a kernel or a tuning that disagrees with SDPA / the reference fails the run
+        raise SystemExit(f"errors above {MAX_ABS_ERR}: " + "; ".join(wrong))
+
+
+MAX_ABS_ERR = 0.1  # bfloat16 outputs of magnitude ~1 (the rows seen: 2e-4 to 2e-2)
+
+
+def errors(node: object, path: str = "") -> list[tuple[str, float]]:
+    """Every `max_abs_err*` value in the result, with where it sits."""
+    if isinstance(node, dict):
+        found = [(f"{path}.{k}", float(v)) for k, v in node.items() if k.startswith("max_abs_err")]
+        for k, v in node.items():
+            found += errors(v, f"{path}.{k}")
+        return found
+    if isinstance(node, list):
+        return [e for i, v in enumerate(node) for e in errors(v, f"{path}[{i}]")]
+    return []
 
 
 # --- shared ---------------------------------------------------------------------------------------
@@ -87,16 +138,37 @@ def kv_bytes(lens: list[int], element_size: int) -> int:
 # --- GPU ------------------------------------------------------------------------------------------
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    """Median of repeats with L2 flushed between them (triton's do_bench)."""
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> float:
+    """Median of repeats with L2 flushed between them (triton's do_bench); launched eagerly, so
+    a kernel shorter than its launch measures the host."""
+    if DRY_RUN:
+        return host_median_ms(fn)
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of one call replayed from a CUDA graph: the GPU's time without the launch."""
+    if DRY_RUN:
+        return host_median_ms(fn)
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
+def host_median_ms(fn: Callable[[], object], repeats: int = 1) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def gpu_benchmark() -> dict[str, Any]:
     dtype = torch.bfloat16
-    copy = copy_bandwidth()
+    copy = copy_bandwidth(64 << 10 if DRY_RUN else 4 << 30)
     torch.cuda.empty_cache()
     max_tokens = max(DECODE_BATCHES) * max(DECODE_CONTEXTS)
     num_blocks = max_tokens // BLOCK_SIZE + 64
@@ -115,8 +187,13 @@ def gpu_benchmark() -> dict[str, Any]:
                 f"({row['ratio_to_copy']:.0%} of copy)  sdpa {row['sdpa_ms']:.3f} ms  "
                 f"err {row['max_abs_err_vs_sdpa']:.1e}"
             )
+    sweep = decode_sweep(k_cache, v_cache, num_blocks)
     prefill_rows = [prefill_case(*case, k_cache, v_cache, num_blocks) for case in PREFILL_CASES]
-    sinks = sinks_case(k_cache, v_cache, num_blocks)
+    sinks = (
+        sinks_case(k_cache, v_cache, num_blocks, 2, 40, 1, 12)
+        if DRY_RUN
+        else sinks_case(k_cache, v_cache, num_blocks)
+    )
     del pool, k_cache, v_cache  # 8.6 GB of KV; the MoE weights need the room
     torch.cuda.empty_cache()
     from bench.kernels_moe import moe_benchmark
@@ -124,11 +201,12 @@ def gpu_benchmark() -> dict[str, Any]:
     moe_rows = moe_benchmark(median_ms)
     goal = next((r for r in rows if r["batch"] == 64 and r["context_len"] == 4096), None)
     return {
-        "mode": "gpu",
+        "mode": "gpu-dry-run" if DRY_RUN else "gpu",
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
         "copy": copy,
         "decode": rows,
+        "decode_sweep": sweep,
         "prefill": prefill_rows,
         "sinks": sinks,
         "moe": moe_rows,
@@ -161,9 +239,9 @@ def decode_case(
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=k_cache.dtype, device=DEVICE)
     scale = HEAD_DIM**-0.5
-    num_splits = decode.choose_num_splits(
+    num_splits = decode.choose_decode_config(
         batch, NUM_KV_HEADS, tables.shape[1] * BLOCK_SIZE, decode.device_num_sms(q.device)
-    )
+    ).num_splits
 
     def run_triton() -> torch.Tensor:
         return decode.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
@@ -194,6 +272,79 @@ def decode_case(
             row[f"{name}_ms"], row[f"{name}_gbps"] = ms, num_bytes / ms / 1e6
         except Exception as exc:  # a baseline's API drift must not lose the whole run
             row[f"{name}_error"] = repr(exc)[:300]
+    return row
+
+
+def decode_sweep(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int
+) -> list[dict[str, Any]]:
+    """Batch 1-8 at short contexts: the heuristic's launch and every (block_n, splits) beside it
+    as graph replays, SDPA's likewise, and both eagerly; each row names the fastest tuning."""
+    rows = []
+    for batch in SWEEP_BATCHES:
+        for ctx in SWEEP_CONTEXTS:
+            row = sweep_case(batch, ctx, k_cache, v_cache, num_blocks)
+            rows.append(row)
+            best, chosen = row["best"], row["heuristic"]
+            print(
+                f"sweep b={batch} ctx={ctx:5d}: heuristic ({chosen['num_splits']} splits x "
+                f"{chosen['block_n']}) {row['heuristic_graph_ms']:.4f} ms graph "
+                f"{row['heuristic_eager_ms']:.4f} eager; best ({best['num_splits']} x "
+                f"{best['block_n']}) {best['graph_ms']:.4f}; sdpa {row['sdpa_graph_ms']:.4f} "
+                f"graph {row['sdpa_eager_ms']:.4f} eager; heuristic/sdpa "
+                f"{row['heuristic_vs_sdpa']:.2f} best/sdpa {row['best_vs_sdpa']:.2f}"
+            )
+    return rows
+
+
+def sweep_case(
+    batch: int, ctx: int, k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int
+) -> dict[str, Any]:
+    from engine.kernels import decode
+    from engine.kernels.reference import gather_kv
+
+    scale = HEAD_DIM**-0.5
+    lens = [ctx] * batch
+    tables = block_tables_for(lens, num_blocks, DEVICE)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=k_cache.dtype, device=DEVICE)
+    k = gather_kv(k_cache, tables, ctx).transpose(1, 2).contiguous()
+    v = gather_kv(v_cache, tables, ctx).transpose(1, 2).contiguous()
+    q4 = q[:, :, None]
+
+    def run(splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+        return decode.paged_decode_attention(
+            q, k_cache, v_cache, tables, context_lens, scale, num_splits=splits, block_n=block_n
+        )
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q4, k, v, scale=scale, enable_gqa=True
+        )
+
+    expected = sdpa()[:, :, 0]
+    chosen = decode.choose_decode_config(
+        batch, NUM_KV_HEADS, tables.shape[1] * BLOCK_SIZE, decode.device_num_sms(q.device)
+    )
+    row: dict[str, Any] = {
+        "batch": batch, "context_len": ctx, "kv_bytes": kv_bytes(lens, k_cache.element_size()),
+        "heuristic": {"num_splits": chosen.num_splits, "block_n": chosen.block_n},
+        "heuristic_graph_ms": graph_ms(run), "heuristic_eager_ms": median_ms(run, 10, 50),
+        "sdpa_graph_ms": graph_ms(sdpa), "sdpa_eager_ms": median_ms(sdpa, 10, 50),
+        "configs": [],
+    }  # fmt: skip
+    for block_n in SWEEP_BLOCK_N:
+        for splits in SWEEP_SPLITS:
+            if splits > 1 and (splits - 1) * block_n >= ctx:
+                continue  # the last split would hold no key
+            err = float((run(splits, block_n) - expected).abs().max())
+            ms = graph_ms(functools.partial(run, splits, block_n))
+            row["configs"].append({"block_n": block_n, "num_splits": splits, "graph_ms": ms,
+                                   "max_abs_err_vs_sdpa": err})  # fmt: skip
+    best = min(row["configs"], key=lambda c: c["graph_ms"])
+    row["best"] = best
+    row["heuristic_vs_sdpa"] = row["heuristic_graph_ms"] / row["sdpa_graph_ms"]
+    row["best_vs_sdpa"] = best["graph_ms"] / row["sdpa_graph_ms"]
     return row
 
 
