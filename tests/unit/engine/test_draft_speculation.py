@@ -52,20 +52,21 @@ def assert_nothing_held(llm: LLM) -> None:
     assert proposer(llm).shadows == {}
 
 
-def assert_same_greedy_output(base: LLM, spec: LLM, params: SamplingParams) -> None:
+def same_greedy_output(base: LLM, spec: LLM, params: SamplingParams) -> tuple[int, int]:
+    """Asserts `spec` gives `base`'s tokens and log-probs on PROMPTS; the tokens it proposed
+    and accepted meanwhile."""
+    counters = spec.engine.spec
+    before = (counters.num_draft_tokens, counters.num_accepted_tokens)
     expected, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
     for e, g in zip(expected, got, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         assert g.outputs[0].logprobs == pytest.approx(e.outputs[0].logprobs, abs=1e-4)
+    return counters.num_draft_tokens - before[0], counters.num_accepted_tokens - before[1]
 
 
 def test_a_model_drafting_for_itself_is_nearly_always_accepted(base: LLM, self_drafted) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, ignore_eos=True)
-    counters = self_drafted.engine.spec
-    before = (counters.num_draft_tokens, counters.num_accepted_tokens)
-    assert_same_greedy_output(base, self_drafted, params)
-    proposed = counters.num_draft_tokens - before[0]
-    accepted = counters.num_accepted_tokens - before[1]
+    proposed, accepted = same_greedy_output(base, self_drafted, params)
     assert proposed > 100 and accepted >= 0.9 * proposed  # the same weights, other kernels
     assert_nothing_held(self_drafted)
 
@@ -74,11 +75,7 @@ def test_rejected_drafts_are_rewound_in_the_draft_too(base: LLM, randomly_drafte
     """A random draft is mostly wrong: every step rewinds the shadow's KV past its rejected
     proposals, and the next drafts still come from the target's tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, ignore_eos=True)
-    counters = randomly_drafted.engine.spec
-    before = (counters.num_draft_tokens, counters.num_accepted_tokens)
-    assert_same_greedy_output(base, randomly_drafted, params)
-    proposed = counters.num_draft_tokens - before[0]
-    accepted = counters.num_accepted_tokens - before[1]
+    proposed, accepted = same_greedy_output(base, randomly_drafted, params)
     assert proposed > 100 and accepted < 0.5 * proposed
     assert_nothing_held(randomly_drafted)
 
