@@ -180,11 +180,17 @@ def tensor_shapes(shape: DenseShape, config: dict) -> dict[str, tuple[int, ...]]
     return dict(sorted(shapes.items()))
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """SmolLM2's tokenizer files, its tokenizer.json grown to `vocab_size` (module docstring)."""
-    from engine.builtin_build import ensure_builtin
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-    source = ensure_builtin("builtin:smollm2-135m")
+
+def write_tokenizer(path: Path, vocab_size: int, source: Path | None = None) -> None:
+    """SmolLM2's tokenizer files, its tokenizer.json grown to `vocab_size` (module docstring).
+    `source`: a directory holding SmolLM2's TOKENIZER_FILES (a machine without internet, which
+    cannot build builtin:smollm2-135m: bench/gpu_checkpoint.py); None: that builtin's build."""
+    if source is None:
+        from engine.builtin_build import ensure_builtin
+
+        source = ensure_builtin("builtin:smollm2-135m")
     for name in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(source / name, path / name)
     tokenizer = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
@@ -205,9 +211,15 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def build_dense_bench(
-    path: Path, name: str, *, dtype: str = "float32", overrides: dict[str, int] | None = None
+    path: Path,
+    name: str,
+    *,
+    dtype: str = "float32",
+    overrides: dict[str, int] | None = None,
+    tokenizer_source: Path | None = None,
 ) -> Path:
-    """Write builtin:<name>-bench (or its layout at a test's smaller `overrides`) into `path`."""
+    """Write builtin:<name>-bench (or its layout at a test's smaller `overrides`) into `path`;
+    `tokenizer_source`: as write_tokenizer's `source`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[name]
@@ -215,7 +227,7 @@ def build_dense_bench(
     write_json(path / "config.json", config)
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID}
     write_json(path / "generation_config.json", {**generation, "do_sample": False})
-    write_tokenizer(path, int(config["vocab_size"]))
+    write_tokenizer(path, int(config["vocab_size"]), tokenizer_source)
     label = f"{name}-bench"
     total_bytes = write_random_weights(path, tensor_shapes(shape, config), dtype, SEED, label)
     progress(f"{label}: {total_bytes:,} bytes")
