@@ -40,6 +40,9 @@ class EngineConfig:
     kv_offload: KVOffloadConfig = KVOffloadConfig()  # kv_cache.offload: off unless host_bytes
     # n-gram speculative decoding on decoding sequences (engine/ngram_proposer.py); None: off
     speculative: SpeculativeConfig | None = None
+    # decode-only steps replayed as CUDA graphs, one per batch-size bucket, where the device is
+    # cuda (engine/cuda_graphs.py); no effect on a CPU
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -23,6 +23,7 @@ from common.sampling_params import SamplingParams
 from engine.beam_search import BeamGroup
 from engine.block_pool import NoFreeBlocksError
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.draft_proposer import DraftModelProposer
 from engine.guided import GrammarCompiler
 from engine.host_memory import keep_freed_memory
@@ -146,8 +147,9 @@ class LLMEngine:
             self._draft_proposer(),
         )
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.kv, config.attention_backend, config.device
-        )
+            self.model, self.kv_cache, self.kv, config.attention_backend, config.device,
+            self._decode_graphs(),
+        )  # fmt: skip
         self.loras = lora_registry(self.model, config.lora)  # None: no adapters (engine/lora/)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -157,6 +159,17 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
         )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """On a GPU with cuda_graphs on: every decode bucket, captured now (cuda_graphs.py)."""
+        if not self.config.cuda_graphs or torch.device(self.config.device).type != "cuda":
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.config.attention_backend, self.config.device,
+            self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size),
+        )  # fmt: skip
+        graphs.capture_all()
+        return graphs
 
     def _draft_proposer(self) -> DraftModelProposer | None:
         """With `method: draft_model`, the draft's own engine (its weights, KV pool and runner)

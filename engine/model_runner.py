@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.decoder import CausalLM
@@ -40,8 +41,10 @@ class ModelRunner:
         kv_manager: KVCacheManager,
         backend: AttentionBackend,
         device: str,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # decode-only steps as CUDA graphs (engine/cuda_graphs.py)
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.backend = backend
@@ -62,37 +65,9 @@ class ModelRunner:
         chunks = decodes + prefills
         block_tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
         batch = self._flatten(chunks, block_tables)
-        if self.model.lora_batch is not None:  # each token's adapter (engine/lora/manager.py)
-            self.model.lora_batch.set([c.seq for c in chunks], batch.seq_index, self.device)
-        tables = _padded(block_tables)  # (num_chunks, max_blocks) int32
-        total_lens = torch.tensor(
-            [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=torch.int32
-        )
-        rope_lens = None
-        if self.needs_rope_lens:  # a chunked prompt's early chunks as its whole length
-            lens = [max(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
-                    for c in chunks]  # fmt: skip
-            rope_lens = torch.tensor([lens[i] for i in batch.seq_index])  # (num_tokens,)
-        q_lens = torch.tensor([c.num_new_tokens for c in prefills], dtype=torch.int32)
-        cu_seqlens = torch.zeros(len(prefills) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
-        nd = len(decodes)
-        meta = AttentionMetadata(
-            slot_mapping=self._to(torch.tensor(batch.slots, dtype=torch.long)),
-            num_decode_tokens=nd,
-            decode_block_tables=self._to(tables[:nd]),
-            decode_context_lens=self._to(total_lens[:nd]),
-            prefill_block_tables=self._to(tables[nd:]),
-            prefill_cu_seqlens_q=self._to(cu_seqlens),
-            prefill_context_lens=self._to(total_lens[nd:]),
-            backend=self.backend,
-            rope_seq_lens=None if rope_lens is None else self._to(rope_lens),
-        )
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
-        positions = torch.tensor(batch.positions, dtype=torch.long)
-        hidden = self.model(
-            self._to(input_ids), self._to(positions), self.kv_cache.layers, meta
-        )  # (num_tokens, hidden)
+        hidden = self._replay(decodes, prefills, block_tables, batch)
+        if hidden is None:
+            hidden = self._forward(chunks, prefills, block_tables, batch)
         ends = [e - 1 for e in itertools.accumulate(c.num_new_tokens for c in chunks)]
         rows = [i for i, c in enumerate(chunks) if c.samples]
         # each sampling chunk's last known token's row and its proposals' rows after it
@@ -114,6 +89,68 @@ class ModelRunner:
             if c.seq.wants_prompt_logprobs
         ]  # fmt: skip
         return [chunks[i].seq for i in rows], logits, last_hidden, prompt_rows
+
+    def _forward(
+        self,
+        chunks: list[ScheduledChunk],
+        prefills: list[ScheduledChunk],
+        block_tables: list[list[int]],
+        batch: FlatBatch,
+    ) -> torch.Tensor:
+        """The step's forward, launched op by op: (num_tokens, hidden)."""
+        if self.model.lora_batch is not None:  # each token's adapter (engine/lora/manager.py)
+            self.model.lora_batch.set([c.seq for c in chunks], batch.seq_index, self.device)
+        tables = _padded(block_tables)  # (num_chunks, max_blocks) int32
+        total_lens = torch.tensor(
+            [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=torch.int32
+        )
+        rope_lens = None
+        if self.needs_rope_lens:  # a chunked prompt's early chunks as its whole length
+            lens = [max(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
+                    for c in chunks]  # fmt: skip
+            rope_lens = torch.tensor([lens[i] for i in batch.seq_index])  # (num_tokens,)
+        q_lens = torch.tensor([c.num_new_tokens for c in prefills], dtype=torch.int32)
+        cu_seqlens = torch.zeros(len(prefills) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=cu_seqlens[1:])
+        nd = len(chunks) - len(prefills)  # the decodes come first
+        meta = AttentionMetadata(
+            slot_mapping=self._to(torch.tensor(batch.slots, dtype=torch.long)),
+            num_decode_tokens=nd,
+            decode_block_tables=self._to(tables[:nd]),
+            decode_context_lens=self._to(total_lens[:nd]),
+            prefill_block_tables=self._to(tables[nd:]),
+            prefill_cu_seqlens_q=self._to(cu_seqlens),
+            prefill_context_lens=self._to(total_lens[nd:]),
+            backend=self.backend,
+            rope_seq_lens=None if rope_lens is None else self._to(rope_lens),
+        )
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
+        positions = torch.tensor(batch.positions, dtype=torch.long)
+        return self.model(
+            self._to(input_ids), self._to(positions), self.kv_cache.layers, meta
+        )  # (num_tokens, hidden)
+
+    def _replay(
+        self,
+        decodes: list[ScheduledChunk],
+        prefills: list[ScheduledChunk],
+        block_tables: list[list[int]],
+        batch: FlatBatch,
+    ) -> torch.Tensor | None:
+        """A decode-only step from its CUDA graph: (num_decodes, hidden); None where the step
+        must run eagerly (prefill chunks, proposals, adapters, LongRoPE, or no graph fits)."""
+        graphs = self.graphs
+        if (
+            graphs is None
+            or prefills
+            or self.model.lora_batch is not None
+            or self.needs_rope_lens
+            or any(c.seq.draft_token_ids for c in decodes)
+            or not graphs.fits(len(decodes), block_tables)
+        ):
+            return None
+        lens = [c.seq.num_computed_tokens + 1 for c in decodes]
+        return graphs.run(batch.token_ids, batch.positions, batch.slots, block_tables, lens)
 
     def _flatten(self, chunks: list[ScheduledChunk], tables: list[list[int]]) -> FlatBatch:
         """The chunks' new tokens back to back, as plain lists: one torch.tensor call per field
