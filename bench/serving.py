@@ -22,9 +22,13 @@ level. Figures are medians of `--repeats` runs.
 - `vs_hf_sequential` / `vs_hf_batched`: cluster tokens/s at 32 clients ÷ HF generate one request
   at a time / as one padded batch.
 - `prefix_ttft_ratio`: TTFT of a 1k-token prompt the second time (prefix cache warm) ÷ the first.
-- `aggregated`: the same 32-client run on an aggregated cluster, and `disagg_vs_agg`.
+- `aggregated`: the same 32-client run on an aggregated cluster, and `disagg_vs_agg`;
+  with `--aggregated-levels`, every level on it too (`aggregated_levels.<c>`).
 - `profile`: one more 32-client run, profiled (bench/cluster_profile.py): the cores each process
-  kept busy and its hottest functions; py-spy's raw stacks beside the JSON."""
+  kept busy and its hottest functions; py-spy's raw stacks beside the JSON.
+
+`--no-baselines` skips the in-process engine and HF generate (their keys are null): the clusters
+alone, as bench/gpu_run.sh runs them on a full-size checkpoint within its time."""
 
 from __future__ import annotations
 
@@ -252,6 +256,11 @@ def hf_tokens_per_s(
     return len(requests) * max_new / (time.perf_counter() - start)
 
 
+def rounded(value: float | None, digits: int) -> float | None:
+    """None stays None (a baseline not run: --no-baselines)."""
+    return None if value is None else round(value, digits)
+
+
 def plot(result: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -273,6 +282,8 @@ def plot(result: dict, out: Path) -> list[str]:
         ax.plot(x, [result["levels"][c][key] for c in levels], marker="o", label="cluster")
         if key == "output_tokens_per_s":  # the baselines, measured at the headline level
             for name, marker, value in baselines:
+                if value is None:
+                    continue
                 ax.plot([result["headline_concurrency"]], [value], marker, label=name)
             ax.legend(fontsize=7)
         ax.set_xscale("log", base=2)
@@ -332,6 +343,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra run")
+    parser.add_argument("--no-baselines", action="store_true", help="no in-process engine, no HF")
+    parser.add_argument("--aggregated-levels", action="store_true",
+                        help="every concurrency level on the aggregated cluster too")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench/results/latest.json"))
     if "--real-model" in sys.argv[1:]:
         parser.set_defaults(**REAL_MODEL_PRESET)
@@ -343,19 +357,29 @@ def main() -> None:
     levels = sorted(set(args.concurrency))
     headline = HEADLINE_CONCURRENCY if HEADLINE_CONCURRENCY in levels else levels[-1]
 
-    llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=headline,
-              dtype="bfloat16" if args.device == "cuda" else "float32")  # fmt: skip
-    corpus = corpus_tokens(llm.tokenizer)
+    llm = None
+    if args.no_baselines:
+        from transformers import AutoTokenizer
+
+        from engine.config import EngineConfig
+
+        corpus = corpus_tokens(AutoTokenizer.from_pretrained(EngineConfig(args.model).model_dir()))
+    else:
+        llm = LLM(args.model, device=args.device, num_blocks=4096, max_num_seqs=headline,
+                  dtype="bfloat16" if args.device == "cuda" else "float32")  # fmt: skip
+        corpus = corpus_tokens(llm.tokenizer)
 
     def workload(concurrency: int, repeat: int) -> list[Request]:
         """Fresh prompts for every run: no run is served from an earlier one's prefix cache."""
         seed = args.seed + 1000 * repeat + concurrency
         return make_workload(corpus, max(2 * concurrency, 8), seed, prompt_len, output_len)
 
-    engine_tokens_per_s(llm, workload(headline, -1)[:4])  # warm-up
-    hf_sequential, hf_batched = hf_baselines(
-        llm, workload(headline, 0), args.device, args.hf_sequential_requests, args.repeats
-    )
+    hf_sequential = hf_batched = None
+    if llm is not None:
+        engine_tokens_per_s(llm, workload(headline, -1)[:4])  # warm-up
+        hf_sequential, hf_batched = hf_baselines(
+            llm, workload(headline, 0), args.device, args.hf_sequential_requests, args.repeats
+        )
 
     workdir = Path(tempfile.mkdtemp(prefix="pdcluster-bench-"))
     result: dict = {"levels": {}}
@@ -368,7 +392,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 requests = workload(c, repeat)
                 runs.append(asyncio.run(run_clients(cluster.url, args.model, requests, c)))
-                if c == headline:
+                if c == headline and llm is not None:
                     # The engine on the same requests right after: this VM's speed drifts
                     # more between minutes than the two sides differ, so each pair is a ratio.
                     engine_runs.append(engine_tokens_per_s(llm, requests))
@@ -393,6 +417,16 @@ def main() -> None:
             for r in range(args.repeats)
         ]
         result["aggregated"] = median_dict(runs)
+        if args.aggregated_levels:
+            result["aggregated_levels"] = {str(headline): result["aggregated"]}
+            for c in levels:
+                if c != headline:
+                    runs = [
+                        asyncio.run(run_clients(aggregated.url, args.model, workload(c, r), c))
+                        for r in range(args.repeats)
+                    ]
+                    result["aggregated_levels"][str(c)] = median_dict(runs)
+                print(f"aggregated, {c} clients: {result['aggregated_levels'][str(c)]}", flush=True)
     finally:
         aggregated.stop()
 
@@ -408,13 +442,15 @@ def main() -> None:
         output_len=list(output_len),
         repeats=args.repeats,
         headline_concurrency=headline,
-        engine_output_tokens_per_s=round(statistics.median(engine_runs), 1),
-        hf_sequential_output_tokens_per_s=round(hf_sequential, 1),
-        hf_batched_output_tokens_per_s=round(hf_batched, 1),
-        pipeline_efficiency=round(statistics.median(efficiencies), 3),
+        engine_output_tokens_per_s=rounded(
+            statistics.median(engine_runs) if engine_runs else None, 1
+        ),
+        hf_sequential_output_tokens_per_s=rounded(hf_sequential, 1),
+        hf_batched_output_tokens_per_s=rounded(hf_batched, 1),
+        pipeline_efficiency=rounded(statistics.median(efficiencies) if efficiencies else None, 3),
         pipeline_efficiency_runs=[round(e, 3) for e in efficiencies],
-        vs_hf_sequential=round(cluster_tps / hf_sequential, 2),
-        vs_hf_batched=round(cluster_tps / hf_batched, 2),
+        vs_hf_sequential=rounded(hf_sequential and cluster_tps / hf_sequential, 2),
+        vs_hf_batched=rounded(hf_batched and cluster_tps / hf_batched, 2),
         disagg_vs_agg=round(cluster_tps / result["aggregated"]["output_tokens_per_s"], 3),
     )
     result["plots"] = plot(result, out)
