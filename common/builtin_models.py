@@ -89,6 +89,16 @@ TINY_ARCHES = tuple(
         ("gpt-oss", "gpt-oss-20b scaled down (sinks, YaRN, 8 experts), trained on harmony"),
     )
 )
+# LLaVA scaled down, random weights: images through the engine and the cluster (tools/tiny_arch/)
+TINY_LLAVA = BuiltinModel(
+    name="builtin:tiny-llava",
+    directory="tiny-llava-v1",
+    per_dtype=False,
+    tool_parser="hermes",
+    summary="LLaVA-1.5 scaled down (CLIP tower, 16 image tokens, Llama), random weights, for "
+    "parity tests",
+    builder="tools.tiny_arch.llava:build_tiny_llava",
+)
 QWEN3_MOE_BENCH = BuiltinModel(
     name="builtin:qwen3-moe-bench",
     directory="qwen3-moe-bench-v1",
@@ -122,6 +132,7 @@ BUILTIN_MODELS = {
         SMOLLM2_135M,
         *SMOLLM2_135M_QUANTIZED,
         *TINY_ARCHES,
+        TINY_LLAVA,
         QWEN3_MOE_BENCH,
         *DENSE_BENCH,
     )

@@ -85,6 +85,11 @@ def language_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     if model_type == "gemma3" and "text_config" in raw:
         eos = {"eos_token_id": raw["eos_token_id"]} if "eos_token_id" in raw else {}
         raw = {**eos, **raw["text_config"], "model_type": "gemma3"}
+    if model_type == "llava":  # its text model's config, read by that model's module
+        text = raw.get("text_config") or {}
+        language_model_type = str(text.get("model_type", "llama"))
+        raw = {**DEFAULTS.get(language_model_type, {}), **text, "model_type": "llava",
+               "language_model_type": language_model_type}  # fmt: skip
     config = {**DEFAULTS.get(model_type, {}), **raw}
     if model_type == "gpt_oss" and not config.get("layer_types"):  # GptOssConfig alternates
         config["layer_types"] = [

@@ -38,6 +38,7 @@ from engine.model_runner import ModelRunner, PromptRows
 from engine.models import load_model, read_model_config
 from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
 from engine.models.moe import use_expert_kernels
+from engine.prompt_images import encode_images, salted
 from engine.sampler import Sampler, SampleResult, SamplingState, choice_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -205,18 +206,31 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         priority: int = 0,
+        images: list[torch.Tensor] | None = None,
     ) -> None:
         """Queue a request (n sequences); if it can't run, raise InvalidRequest, change nothing.
 
         `prefill_only` (context worker): each sequence stops after its first token and keeps its
         blocks, held for a reader, until `release_held`. `priority`: higher is scheduled first.
+        `images`: pixel values (channels, size, size), one per run of image placeholders in the
+        prompt, for a model with an image encoder (engine/prompt_images.py).
         """
         self._validate(request_id, prompt_token_ids, params)
+        images = images or []
+        rows = encode_images(self.model, self.model_config.vision, prompt_token_ids, images)
+        extra_keys = salted(extra_keys, images)
         for index in range(1 if params.beam else params.n):  # a beam search starts as one
             seq = self._sequence(request_id, index, prompt_token_ids, params, extra_keys)
             seq.prefill_only = prefill_only
             seq.priority = priority
+            seq.images = rows
             self.scheduler.add(seq)
+
+    def needs_images(self, prompt_token_ids: list[int]) -> bool:
+        """The prompt holds image placeholders: it can be prefilled only with its images (a
+        generation worker, which pulls the KV of such a prompt, cannot recompute it)."""
+        vision = self.model_config.vision
+        return vision is not None and vision.image_token_id in prompt_token_ids
 
     def add_pulled_request(
         self,
@@ -259,7 +273,10 @@ class LLMEngine:
     ) -> None:
         """A request another worker prefilled whose KV cannot be read (its lease ended, its
         source is gone): queue it to prefill here, prompt and first token, and go on decoding
-        from there; the output is what the pull would have given."""
+        from there; the output is what the pull would have given. Not for a prompt with images
+        (`needs_images`): their pixels stayed with the context worker."""
+        if self.needs_images(prompt_token_ids):
+            raise InvalidRequest("a prompt with images cannot be prefilled without them", "prompt")
         for seq in self._continued(
             request_id, prompt_token_ids, params, first_tokens, 0, extra_keys, priority
         ):
@@ -305,7 +322,8 @@ class LLMEngine:
         return self._select(lead.beam)
 
     def pull_failed(self, request_id: str, recompute: bool) -> list[TokenOutput]:
-        """Free the pulled request's blocks; recompute its prompt here, or end it (aborted)."""
+        """Free the pulled request's blocks; recompute its prompt here, or end it (aborted).
+        A prompt with images (`needs_images`) cannot be recomputed: the caller asks for none."""
         seqs = self.scheduler.pull_failed(request_id, recompute)
         if recompute and seqs[0].beam is not None:
             seqs[0].beam.forget(seqs[0])  # its offer is recomputed with its prompt

@@ -65,6 +65,38 @@ class MoeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """A LLaVA-style model's image path: a CLIP vision encoder, whose hidden states at
+    `feature_layer` (CLS dropped for "default") a two-layer projector maps into the language
+    model's embeddings, replacing each image's `num_image_tokens` placeholder tokens."""
+
+    language_model_type: str  # the text model's model_type (llama, qwen2, mistral)
+    image_token_id: int  # the placeholder token; one per image feature row in the prompt
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: Literal["quick_gelu", "gelu"]
+    feature_layer: int  # a hidden state of the encoder: -1 its last layer's output, -2 ...
+    keep_cls: bool  # vision_feature_select_strategy "full" (else "default": CLS dropped)
+    projector_act: Literal["gelu", "quick_gelu"]
+    projector_bias: bool
+
+    @property
+    def num_image_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_cls else 0)
+
+    @property
+    def layers_run(self) -> int:
+        """Encoder layers that the feature layer needs (hidden state i is after i layers)."""
+        return self.feature_layer % (self.num_layers + 1)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -95,6 +127,7 @@ class ModelConfig:
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"
     moe: MoeConfig | None = None
     moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the mixture (empty: none is)
+    vision: VisionConfig | None = None  # a LLaVA-style model's image encoder (models/llava.py)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window

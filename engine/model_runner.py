@@ -9,7 +9,7 @@ sequence's chunk is its last token and its proposals: it runs as an extend chunk
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,8 +126,12 @@ class ModelRunner:
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
         positions = torch.tensor(batch.positions, dtype=torch.long)
+        embeds = None
+        if batch.image_rows:  # placeholder tokens take their images' rows
+            index = torch.tensor(batch.image_index, dtype=torch.long)
+            embeds = (self._to(index), torch.cat(batch.image_rows))
         return self.model(
-            self._to(input_ids), self._to(positions), self.kv_cache.layers, meta
+            self._to(input_ids), self._to(positions), self.kv_cache.layers, meta, embeds
         )  # (num_tokens, hidden)
 
     def _replay(
@@ -143,6 +147,7 @@ class ModelRunner:
         if (
             graphs is None
             or prefills
+            or batch.image_rows  # a 1-token prompt chunk at an image
             or self.model.lora_batch is not None
             or self.needs_rope_lens
             or any(c.seq.draft_token_ids for c in decodes)
@@ -160,6 +165,12 @@ class ModelRunner:
         for i, (c, table) in enumerate(zip(chunks, tables, strict=True)):
             start = c.seq.num_computed_tokens
             span = range(start, start + c.num_new_tokens)
+            for first, rows in c.seq.images:  # the part of each image this chunk runs
+                lo, hi = max(first, span.start), min(first + len(rows), span.stop)
+                if lo < hi:
+                    offset = len(batch.token_ids) - start  # batch row of prompt index p: p + it
+                    batch.image_index.extend(range(lo + offset, hi + offset))
+                    batch.image_rows.append(rows[lo - first : hi - first])
             batch.token_ids.extend(c.seq.token_ids[start : span.stop])
             batch.token_ids.extend(c.seq.draft_token_ids)  # after the last known token, if any
             batch.positions.extend(span)
@@ -179,6 +190,8 @@ class FlatBatch:
     positions: list[int]
     slots: list[int]
     seq_index: list[int]
+    image_index: list[int] = field(default_factory=list)  # batch rows that take image rows ...
+    image_rows: list[torch.Tensor] = field(default_factory=list)  # ... these, in that order
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:

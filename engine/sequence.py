@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from common.block_hash import ExtraKey
 from common.sampling_params import SamplingParams
 from engine.sampler import SamplingState
@@ -57,6 +59,8 @@ class Sequence:
     # speculative proposals scheduled after the last token this step (engine/ngram_proposer.py);
     # the step's verdict (engine/spec_verify.py) empties it
     draft_token_ids: list[int] = field(default_factory=list)
+    # its images' encoded rows, each at its run of placeholders (engine/prompt_images.py)
+    images: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

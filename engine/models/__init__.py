@@ -31,9 +31,9 @@ class Architecture:
 
 
 def _registry() -> dict[str, Architecture]:
-    from engine.models import gemma, gpt_oss, llama, mixtral, phi3, qwen, qwen3_moe
+    from engine.models import gemma, gpt_oss, llama, llava, mixtral, phi3, qwen, qwen3_moe
 
-    modules = (llama, qwen, phi3, gemma, qwen3_moe, mixtral, gpt_oss)
+    modules = (llama, qwen, phi3, gemma, qwen3_moe, mixtral, gpt_oss, llava)
     return {t: m.ARCHITECTURE for m in modules for t in m.ARCHITECTURE.model_types}
 
 

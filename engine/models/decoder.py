@@ -97,6 +97,8 @@ class CausalLM(nn.Module):
         self.c_decode_pairs = False  # its weights in bfloat16 pairs (kernels/cpu_linear.c)
         self._c_step: CStep | None = None  # the C step's table, made on its first call
         self.lora_batch: LoRABatch | None = None  # the step's adapters (engine/lora/manager.py)
+        # a LLaVA-style model's images -> placeholder rows (models/llava.py, models/vision.py)
+        self.image_encoder: nn.Module | None = None
 
     def attach_rotary(self, max_positions: int) -> None:
         """Build the rotary tables (not checkpoint tensors: made after loading) for `max_positions`
@@ -126,8 +128,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`embeds`: (token indices, their rows): an image's encoded rows in place of its
+        placeholder tokens' embeddings (engine/model_runner.py)."""
         x = self.embed(input_ids)
+        if embeds is not None:
+            index, rows = embeds
+            x[index] = rows.to(x.dtype)
         # the C kernels index the rotary tables unchecked (torch's indexing raises on its own)
         if positions.is_cpu and positions.numel() and int(positions.max()) >= self.max_positions:
             raise IndexError(f"position {int(positions.max())} is past the rotary tables' "

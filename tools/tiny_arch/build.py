@@ -165,7 +165,8 @@ CONFIGS = {
 def init_random(model: torch.nn.Module, generator: torch.Generator, gemma: bool) -> None:
     """Weights whose greedy continuations vary (module docstring), in name order, so the bytes
     depend on the seed alone."""
-    hidden = model.config.hidden_size
+    text_config = model.config.get_text_config()  # a LLaVA's: its language model's
+    hidden = text_config.hidden_size
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "norm" in name:  # Gemma stores the scale as w - 1
@@ -177,7 +178,7 @@ def init_random(model: torch.nn.Module, generator: torch.Generator, gemma: bool)
             elif param.dim() == 1:  # biases
                 param.normal_(0.0, 0.1, generator=generator)
             elif param.dim() == 3:  # stacked experts: the down projection reads inter
-                inter = model.config.intermediate_size
+                inter = text_config.intermediate_size
                 fan_in = inter if "down" in name else hidden
                 param.normal_(0.0, fan_in**-0.5, generator=generator)
             else:
