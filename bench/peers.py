@@ -93,6 +93,33 @@ PROFILES_DIR = ROOT / "bench/results/peers-profiles"  # the op tables, as writte
 INPUT_LEN, INPUT_RANGE, OUTPUT_LEN = 192, 1 / 3, 128  # prompts of 128-256 tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The prompts `vllm bench serve` sends: random tokens of input_len (± a third), after a
+    prefix of prefix_len tokens every request shares (a system prompt: the prefix caches')."""
+
+    input_len: int = INPUT_LEN
+    prefix_len: int = 0
+
+    def bench_args(self) -> list[str]:
+        ratio = json.dumps({"input": INPUT_RANGE, "output": 0.0})
+        return ["--random-input-len", str(self.input_len), "--random-prefix-len",
+                str(self.prefix_len), "--random-output-len", str(OUTPUT_LEN),
+                "--random-range-ratio", ratio]  # fmt: skip
+
+    @property
+    def max_model_len(self) -> int:
+        """What vLLM is started with: the longest prompt and its output, rounded up."""
+        longest = self.prefix_len + int(self.input_len * (1 + INPUT_RANGE)) + OUTPUT_LEN
+        return max(2048, -(-longest // 1024) * 1024)
+
+    def describe(self) -> dict:
+        low, high = (int(self.input_len * (1 + s * INPUT_RANGE)) for s in (-1, 1))
+        return {"prompt_tokens": [low, high], "shared_prefix_tokens": self.prefix_len,
+                "output_tokens": OUTPUT_LEN, "greedy": True,
+                "load_generator": "vllm bench serve"}  # fmt: skip
+
+
 # --- vLLM -----------------------------------------------------------------------------------------
 
 
@@ -130,14 +157,15 @@ class VllmServer:
     """`vllm serve` on a free port; the first start compiles (minutes), later ones reuse it."""
 
     def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path,
-                 profile_dir: Path | None = None, extra_args: tuple[str, ...] = ()):  # fmt: skip
+                 profile_dir: Path | None = None, extra_args: tuple[str, ...] = (),
+                 max_model_len: int = 2048):  # fmt: skip
         """`extra_args`: more `vllm serve` options (bench/spec_decode.py's --speculative-config)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / f"vllm-{dtype}.log").open("ab")
         command = [str(bin_dir / "vllm"), "serve", str(model_dir), "--served-model-name", model,
                    "--dtype", dtype, "--port", str(self.port),
-                   "--max-model-len", "2048"]  # fmt: skip
+                   "--max-model-len", str(max_model_len)]  # fmt: skip
         if profile_dir is not None:  # the engine core's ops only, no stacks: as ours records
             profiler = {"profiler": "torch", "torch_profiler_dir": str(profile_dir),
                         "torch_profiler_with_stack": False, "ignore_frontend": True}  # fmt: skip
@@ -182,7 +210,8 @@ class VllmServer:
 
 def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrency: int,
                 seed: int, workdir: Path, extra: dict | None = None,
-                headers: dict[str, str] | None = None) -> dict:  # fmt: skip
+                headers: dict[str, str] | None = None,
+                workload: Workload = Workload()) -> dict:  # fmt: skip
     """`vllm bench serve` against one server at one concurrency: its result JSON. `extra` goes
     into every request's body and `headers` into its headers; `model_dir` is only the
     tokenizer's. `streamed_tokens`: the streamed chunks after each request's first, summed
@@ -192,9 +221,7 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
     command = [
         str(bin_dir / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(model_dir),
-        "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-        "--random-output-len", str(OUTPUT_LEN),
-        "--random-range-ratio", json.dumps({"input": INPUT_RANGE, "output": 0.0}),
+        "--dataset-name", "random", *workload.bench_args(),
         "--ignore-eos", "--temperature", "0", "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
         "--save-result", "--save-detailed", "--result-filename", str(result),
@@ -216,6 +243,8 @@ def bench_serve(bin_dir: Path, url: str, model: str, model_dir: Path, concurrenc
         "output_tokens_per_request": raw["total_output_tokens"] / max(1, raw["completed"]),
         "duration_s": raw["duration"],
         "failed": raw.get("failed", num_prompts - raw["completed"]),
+        # why requests failed, as the load generator saw it (each distinct message once)
+        "errors": sorted({e[:300] for e in raw.get("errors", []) if e})[:5],
         "streamed_tokens": sum(len(gaps) for gaps in raw["itls"]),
     }
 
@@ -267,10 +296,11 @@ def start(
     llamacpp: LlamaCppInstall | None,
     workdir: Path,
     profile_dir: Path | None = None,
+    workload: Workload = Workload(),
 ) -> VllmServer | LlamaCppServer | Cluster:
     if system == "vllm":
         return VllmServer(bin_dir, target.model, target.model_dir, target.dtype, workdir,
-                          profile_dir)  # fmt: skip
+                          profile_dir, max_model_len=workload.max_model_len)  # fmt: skip
     if system in LLAMACPP_SYSTEMS:
         if llamacpp is None or target.gguf is None:
             raise ValueError(f"{system} serves a GGUF model, with llama.cpp installed")
@@ -299,12 +329,13 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, target: Target, sys
         for server in systems:  # those with a torch profiler: vLLM and the clusters
             print(f"[peers] {model} {dtype} profile at {level}: {server}", flush=True)
             profile_dir = workdir / f"profile-{server}-{dtype}-{level}"
-            running = start(server, target, bin_dir, None, workdir, profile_dir)
+            running = start(server, target, bin_dir, None, workdir, profile_dir, args.workload)
             try:
-                bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir)
+                bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir,
+                            workload=args.workload)  # fmt: skip
                 _profiler(running.url, "start")
                 figures = bench_serve(bin_dir, running.url, model, model_dir, level, seed=8,
-                                      workdir=workdir)  # fmt: skip
+                                      workdir=workdir, workload=args.workload)  # fmt: skip
                 _profiler(running.url, "stop")
             finally:
                 running.stop()
@@ -516,7 +547,18 @@ def target_bytes(target: Target) -> StepBytes:
 
 
 def median_of(runs: list[dict]) -> dict:
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    """Each figure's median over the repeats; the errors of them all."""
+    return {
+        key: sorted({e for r in runs for e in r[key]})
+        if isinstance(runs[0][key], list)
+        else statistics.median(r[key] for r in runs)
+        for key in runs[0]
+    }
+
+
+def _ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs; None where a side has no figure (every request failed)."""
+    return round(ours / theirs, 3) if ours and theirs else None
 
 
 def main() -> None:
@@ -533,7 +575,12 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", type=int, default=[],
                         help="concurrency levels to profile vLLM and the clusters at")  # fmt: skip
     parser.add_argument("--skip-runs", action="store_true", help="profiles only (with --profile)")
+    parser.add_argument("--input-len", type=int, default=INPUT_LEN,
+                        help="prompt tokens, each prompt within a third of it")  # fmt: skip
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="tokens of a prefix every prompt shares, before its own")  # fmt: skip
     args = parser.parse_args()
+    args.workload = Workload(args.input_len, args.prefix_len)
     systems = [*args.peers, *args.servers]
     bin_dir = ensure_vllm()  # its `vllm bench serve` loads every server
     llamacpp = ensure_llamacpp(args.peers) if set(args.peers) & set(LLAMACPP_SYSTEMS) else None
@@ -544,8 +591,7 @@ def main() -> None:
         host["llama_cpp"] = llamacpp_configuration()
     result: dict = {
         "host": {**_earlier(args.out, "host"), **host},
-        "workload": {"prompt_tokens": [128, 256], "output_tokens": OUTPUT_LEN, "greedy": True,
-                     "load_generator": "vllm bench serve"},  # repeats: per model
+        "workload": args.workload.describe(),  # repeats: per model
         "models": _earlier(args.out, "models"),
         "profiles": _earlier(args.out, "profiles"),
     }  # fmt: skip
@@ -592,7 +638,7 @@ def run_target(
         k = repeat % len(systems)
         for system in systems[k:] + systems[:k]:
             print(f"[peers] {target.model} {target.dtype} repeat {repeat}: {system}", flush=True)
-            running = start(system, target, bin_dir, llamacpp, workdir)
+            running = start(system, target, bin_dir, llamacpp, workdir, workload=args.workload)
             try:
                 for c in args.concurrency:
                     counted = _tokens_generated(running)
@@ -600,6 +646,7 @@ def run_target(
                         bin_dir, running.url, target.model, target.model_dir, c,
                         seed=1000 * repeat + c, workdir=workdir,
                         extra=request_extra(system, target), headers=request_headers(system),
+                        workload=args.workload,
                     )  # fmt: skip
                     figures = _recount(system, figures, counted, running)
                     runs[system][c].append(figures)
@@ -671,16 +718,14 @@ def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights
                 level[server]["output_tokens_per_s"] * step_s / c, 3
             )
             # the decode steps alone: each of the c streams gets a token every inter-token time
-            level[server]["decode_fraction_of_bound"] = round(
-                step_s / level[server]["itl_p50_s"], 3
-            )
+            itl_s = level[server]["itl_p50_s"]  # 0 where every request failed
+            level[server]["decode_fraction_of_bound"] = round(step_s / itl_s, 3) if itl_s else None
         for peer, server in _compared(list(runs)):
-            level[f"{server}_vs_{peer}"] = round(
-                level[server]["output_tokens_per_s"] / level[peer]["output_tokens_per_s"], 3
+            ours, theirs = level[server], level[peer]
+            level[f"{server}_vs_{peer}"] = _ratio(
+                ours["output_tokens_per_s"], theirs["output_tokens_per_s"]
             )
-            level[f"{server}_ttft_vs_{peer}"] = round(
-                level[server]["ttft_p50_s"] / level[peer]["ttft_p50_s"], 3
-            )
+            level[f"{server}_ttft_vs_{peer}"] = _ratio(ours["ttft_p50_s"], theirs["ttft_p50_s"])
         summary["levels"][c] = level
     return summary
 
