@@ -107,7 +107,7 @@ step parity 200 $py -m bench.gpu_parity --model "$model_dir" --device $device "$
 # 3. the kernels
 dry_flag=()
 [ $dry = 1 ] && dry_flag=(--dry-run)
-step kernels 150 $py -m bench.kernels "${dry_flag[@]}" --out "$out/kernels.json"
+step kernels 200 $py -m bench.kernels "${dry_flag[@]}" --out "$out/kernels.json"
 
 # 4. serving, both modes
 small=()

@@ -86,16 +86,21 @@ def kernel_sections(kernels: dict[str, Any]) -> list[str]:
             )
     prefill = kernels.get("prefill", [])
     if prefill:
-        lines += ["", "| prefill batch | prefix | new | triton ms | sdpa ms | triton / sdpa |",
-                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += ["", "| prefill batch | prefix | new | triton ms | sdpa ms | triton / sdpa "
+                      "| best tuning (m x n, warps, stages) | best / sdpa |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for r in prefill:
+            b = r.get("best")
+            best = (f"{b['ms']:.3f} ({b['block_m']} x {b['block_n']}, {b['num_warps']}, "
+                    f"{b['num_stages']}) | {r['best_vs_sdpa']:.2f}") if b else "- | -"  # fmt: skip
             lines.append(f"| {r['batch']} | {r['prefix_len']} | {r['new_tokens']} | "
                          f"{r['triton_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-                         f"{r['triton_ms'] / r['sdpa_ms']:.2f} |")  # fmt: skip
+                         f"{r['triton_ms'] / r['sdpa_ms']:.2f} | {best} |")  # fmt: skip
     return lines + [""]
 
 
-def parity_sections(parity: dict[str, Any]) -> list[str]:
+def parity_sections(parity: dict[str, Any], copy_gbps: float | None) -> list[str]:
+    """`copy_gbps`: bench/kernels.py's device copy, what the step's rate is read against too."""
     lines = [f"## Parity and decode steps ({parity.get('model')}, {parity.get('device')})", ""]
     for dtype in ("float32", "bfloat16"):
         p = parity.get(f"parity_{dtype}")
@@ -116,7 +121,8 @@ def parity_sections(parity: dict[str, Any]) -> list[str]:
                   "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for i, r in enumerate(on):
             off_ms = f"{off[i]['step_ms']:.2f} ms" if i < len(off) else "-"
-            of_peak, of_copy = pct(r.get("fraction_of_peak")), pct(r.get("fraction_of_copy"))
+            of_peak = pct(r.get("fraction_of_peak"))
+            of_copy = pct(r["gbps"] / copy_gbps if copy_gbps else r.get("fraction_of_copy"))
             lines.append(f"| {r['batch']} | {r['step_ms']:.2f} ms | {off_ms} | {r['gbps']:.0f} | "
                          f"{of_peak} | {of_copy} |")  # fmt: skip
     return lines + [""]
@@ -146,6 +152,11 @@ def serving_sections(serving: dict[str, Any], parity: dict[str, Any] | None) -> 
     return lines + [""]
 
 
+def on_gpu(kernels: dict[str, Any] | None) -> bool:
+    mode = str((kernels or {}).get("mode", ""))
+    return mode.startswith("gpu") and "dry-run" not in mode
+
+
 def summarize(folder: Path) -> str:
     lines = [f"# GPU run: {folder.name}", ""]
     gpu = folder / "gpu.txt"
@@ -157,7 +168,8 @@ def summarize(folder: Path) -> str:
     if kernels:
         lines += kernel_sections(kernels)
     if parity:
-        lines += parity_sections(parity)
+        copy_gbps = ((kernels or {}).get("copy") or {}).get("gbps")
+        lines += parity_sections(parity, copy_gbps if on_gpu(kernels) else None)
     if serving:
         lines += serving_sections(serving, parity)
     steps = folder / "steps.txt"

@@ -43,6 +43,10 @@ SWEEP_BATCHES = (1, 2, 4, 8)
 SWEEP_CONTEXTS = (256, 1024, 4096)
 SWEEP_BLOCK_N = (16, 32, 64)
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+# prefill tunings timed beside the default (64, 64, 4 warps, 2 stages): (block_m, block_n, warps,
+# stages), the shapes FlashAttention-style Triton kernels favour on Hopper among them
+PREFILL_SWEEP = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                 (128, 128, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))  # fmt: skip
 DEVICE = "cuda"  # the GPU section's device (a CPU dry run of the harness may swap it)
 DRY_RUN = False  # --dry-run: the GPU section on the CPU at tiny shapes, untimed in any real sense
 
@@ -50,7 +54,7 @@ DRY_RUN = False  # --dry-run: the GPU section on the CPU at tiny shapes, untimed
 def use_dry_run_shapes() -> None:
     """Tiny shapes for the GPU section on the CPU (the Triton interpreter is ~1e5x slower)."""
     global DEVICE, DRY_RUN, DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_CASES
-    global SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_BLOCK_N, SWEEP_SPLITS
+    global SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_BLOCK_N, SWEEP_SPLITS, PREFILL_SWEEP
     global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     from bench import kernels_moe
 
@@ -59,6 +63,7 @@ def use_dry_run_shapes() -> None:
     DECODE_BATCHES, DECODE_CONTEXTS = (1, 2), (40, 100)
     PREFILL_CASES = ((1, 0, 12), (2, 20, 5))
     SWEEP_BATCHES, SWEEP_CONTEXTS, SWEEP_BLOCK_N, SWEEP_SPLITS = (1, 2), (64,), (16, 32), (1, 2)
+    PREFILL_SWEEP = ((16, 16, 4, 2), (32, 16, 2, 3))
     kernels_moe.DEVICE = "cpu"
     kernels_moe.MOE_SHAPES = {"tiny": (4, 2, 32, 16, "silu", False)}
     kernels_moe.MOE_TOKENS = (1, 3)
@@ -81,8 +86,13 @@ def main() -> None:
         "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
     }
-    result |= gpu_benchmark() if on_gpu or args.dry_run else cpu_correctness()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(sections: dict[str, Any]) -> None:
+        """Written after each section: a run stopped at its time limit keeps what it measured."""
+        args.out.write_text(json.dumps(result | sections, indent=2) + "\n")
+
+    result |= gpu_benchmark(save) if on_gpu or args.dry_run else cpu_correctness()
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     wrong = [f"{path} {err:.3g}" for path, err in errors(result) if err > MAX_ABS_ERR]
@@ -166,7 +176,7 @@ def host_median_ms(fn: Callable[[], object], repeats: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gpu_benchmark() -> dict[str, Any]:
+def gpu_benchmark(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     dtype = torch.bfloat16
     copy = copy_bandwidth(64 << 10 if DRY_RUN else 4 << 30)
     torch.cuda.empty_cache()
@@ -187,8 +197,13 @@ def gpu_benchmark() -> dict[str, Any]:
                 f"({row['ratio_to_copy']:.0%} of copy)  sdpa {row['sdpa_ms']:.3f} ms  "
                 f"err {row['max_abs_err_vs_sdpa']:.1e}"
             )
+    mode = "gpu-dry-run" if DRY_RUN else "gpu"
+    save({"mode": mode + " (partial)", "copy": copy, "decode": rows})
     sweep = decode_sweep(k_cache, v_cache, num_blocks)
+    save({"mode": mode + " (partial)", "copy": copy, "decode": rows, "decode_sweep": sweep})
     prefill_rows = [prefill_case(*case, k_cache, v_cache, num_blocks) for case in PREFILL_CASES]
+    save({"mode": mode + " (partial)", "copy": copy, "decode": rows, "decode_sweep": sweep,
+          "prefill": prefill_rows})  # fmt: skip
     sinks = (
         sinks_case(k_cache, v_cache, num_blocks, 2, 40, 1, 12)
         if DRY_RUN
@@ -201,7 +216,7 @@ def gpu_benchmark() -> dict[str, Any]:
     moe_rows = moe_benchmark(median_ms)
     goal = next((r for r in rows if r["batch"] == 64 and r["context_len"] == 4096), None)
     return {
-        "mode": "gpu-dry-run" if DRY_RUN else "gpu",
+        "mode": mode,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
         "copy": copy,
@@ -376,7 +391,8 @@ def prefill_case(
             q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )
 
-    err = run_triton().view(batch, new, NUM_HEADS, HEAD_DIM) - run_sdpa().transpose(1, 2)
+    expected = run_sdpa().transpose(1, 2)
+    err = run_triton().view(batch, new, NUM_HEADS, HEAD_DIM) - expected
     visible_keys = new * prefix + new * (new + 1) // 2  # per sequence and head
     flops = 4 * batch * NUM_HEADS * HEAD_DIM * visible_keys
     row: dict[str, Any] = {"batch": batch, "prefix_len": prefix, "new_tokens": new,
@@ -384,10 +400,34 @@ def prefill_case(
     for name, fn in [("triton", run_triton), ("sdpa", run_sdpa)]:
         ms = median_ms(fn)
         row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+    row["sweep"] = []
+    for block_m, block_n, warps, stages in PREFILL_SWEEP:
+
+        def tuned(m: int = block_m, n: int = block_n, w: int = warps, st: int = stages) -> object:
+            return prefill.paged_prefill_attention(
+                q, k_cache, v_cache, tables, cu, context_lens, scale,
+                block_m=m, block_n=n, num_warps=w, num_stages=st,
+            )  # fmt: skip
+
+        try:
+            got = tuned().view(batch, new, NUM_HEADS, HEAD_DIM)  # type: ignore[attr-defined]
+            row["sweep"].append({
+                "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                "max_abs_err_vs_sdpa": float((got - expected).abs().max()),
+                "ms": median_ms(tuned, 10, 50),
+            })  # fmt: skip
+        except Exception as exc:  # out of shared memory for the tile: recorded, not fatal
+            row["sweep"].append({"block_m": block_m, "block_n": block_n, "num_warps": warps,
+                                 "num_stages": stages, "error": repr(exc)[:200]})  # fmt: skip
+    timed = [c for c in row["sweep"] if "ms" in c]
+    best = min(timed, key=lambda c: c["ms"]) if timed else None
+    row["best"], row["best_vs_sdpa"] = best, best and best["ms"] / row["sdpa_ms"]
     print(
         f"prefill b={batch} prefix={prefix} new={new}: triton {row['triton_ms']:.3f} ms "
         f"{row['triton_tflops']:.0f} TFLOP/s, sdpa {row['sdpa_ms']:.3f} ms"
-    )
+        + (f"; best tuning {best['block_m']}x{best['block_n']} {best['num_warps']} warps "
+           f"{best['num_stages']} stages {best['ms']:.3f} ms" if best else "")
+    )  # fmt: skip
     return row
 
 

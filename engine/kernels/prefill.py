@@ -24,6 +24,7 @@ from engine.kernels.decode import LOG2E, attend_tile, load_kv_tiles, needs_upcas
 
 BLOCK_M = 64  # query tokens per tile
 BLOCK_N = 64  # keys per tile
+NUM_WARPS, NUM_STAGES = 4, 2
 
 
 @triton.jit
@@ -119,8 +120,13 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
-    """Same contract as `paged_prefill_attention_ref`.
+    """Same contract as `paged_prefill_attention_ref`; the tile sizes (powers of two >= 16),
+    warps and pipeline stages override the defaults (bench/kernels.py's prefill sweep).
 
     q: (num_tokens, num_heads, head_dim) packed; k_cache, v_cache: (num_blocks, block_size,
     num_kv_heads, head_dim), any strides, or int8 rows of head_dim + 4 (kv_quant.py);
@@ -136,16 +142,16 @@ def paged_prefill_attention(
         return out
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    num_tiles = num_tokens // BLOCK_M + batch  # = first(batch), an upper bound on the tiles used
+    num_tiles = num_tokens // block_m + batch  # = first(batch), an upper bound on the tiles used
     prefill_kernel[(num_tiles, num_heads)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, sinks,
         scale, soft_cap or 0.0, sliding_window or 0, batch,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_WINDOW=sliding_window is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=soft_cap is not None, HAS_SINKS=sinks is not None,
         UPCAST=needs_upcast(q), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INT8=k_cache.dtype == torch.int8, num_warps=4, num_stages=2,
+        INT8=k_cache.dtype == torch.int8, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

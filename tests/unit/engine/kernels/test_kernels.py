@@ -249,6 +249,21 @@ def test_prefill_with_cached_prefix_matches_reference(
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16), (128, 64)])
+def test_prefill_tile_sizes_of_the_sweep_match_reference(block_m: int, block_n: int) -> None:
+    """bench/kernels.py's prefill sweep: other tile sizes give the reference's output, tiles
+    smaller and larger than the chunks (a sequence spans several tiles, or a tile several)."""
+    torch.manual_seed(6)
+    prefix_lens, q_lens = [0, 45, 19], [70, 1, 22]
+    lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = PagedCache(lens, 2, 64, 16, torch.bfloat16)
+    q, cu = _packed_queries(q_lens, 8, 64, torch.bfloat16)
+    args = (q, cache.k, cache.v, cache.block_tables, cu, cache.context_lens, 0.125)
+    out = prefill.paged_prefill_attention(*args, block_m=block_m, block_n=block_n, num_warps=8)
+    assert_close(out, paged_prefill_attention_ref(*args))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_sliding_window_and_soft_cap(dtype: torch.dtype) -> None:
     torch.manual_seed(5)
