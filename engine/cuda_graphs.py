@@ -146,6 +146,9 @@ class BucketGraph:
         self.forward = forward
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
+        # recorded after the last step's copies out of the staging buffers: the next step waits
+        # on it before writing them (a step's sampler syncs anyway; this does not rely on it)
+        self.copied: torch.cuda.Event | None = None
         if capture:
             forward(self.inputs)  # compiles the kernels and warms the allocator outside capture
             torch.cuda.synchronize(device)
@@ -155,12 +158,16 @@ class BucketGraph:
 
     def run(self, padded_rows: Callable[[PaddedDecode], PaddedDecode], n: int) -> torch.Tensor:
         """Fill the staging buffers, copy them in, replay; the first n rows of the output."""
+        if self.copied is not None:
+            self.copied.synchronize()
         padded_rows(self.staging)
         for name in PaddedDecode.__slots__:
             getattr(self.inputs, name).copy_(getattr(self.staging, name), non_blocking=True)
         if self.graph is None:
             output = self.forward(self.inputs)
         else:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
             self.graph.replay()
             assert self.output is not None
             output = self.output
