@@ -38,6 +38,7 @@ from engine.kv_transfer import KVTransferAgent
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.lora.commands import apply_lora_command
 from engine.profiling import EngineProfiler
+from engine.prompt_images import pixels_of
 from engine.worker_bridge import kv_events, to_delta, worker_stats
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class ContextWorker:
                 request.extra_keys,
                 prefill_only=True,
                 priority=request.priority,
+                images=pixels_of(request.images, self.engine.model_config.vision),
             )
         except InvalidRequest as e:
             self.fail(request.request_id, str(e), e.param)

@@ -22,6 +22,7 @@ import torch
 
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
+from common.protocol import PromptImage
 from engine.model_config import VisionConfig
 from engine.models.decoder import CausalLM
 
@@ -87,3 +88,21 @@ def salted(
     """The request's keys and each image's, once."""
     keys = [image_key(p) for p in images]
     return (*extra_keys, *(k for k in keys if k not in extra_keys))
+
+
+def pixels_of(images: Sequence[PromptImage], vision: VisionConfig | None) -> list[torch.Tensor]:
+    """The wire's images (common/protocol PromptImage) as the encoder's pixel tensors;
+    InvalidRequest when their size is not this model's, or the model takes no images."""
+    if not images:
+        return []
+    if vision is None:
+        raise InvalidRequest("this model takes text only: it has no image encoder", "images")
+    shape = (vision.num_channels, vision.image_size, vision.image_size)
+    expected = 4 * shape[0] * shape[1] * shape[2]
+    out = []
+    for image in images:
+        if len(image.pixels) != expected:
+            raise InvalidRequest(f"an image of {len(image.pixels)} bytes: this model's images "
+                                 f"are {expected} (float32 {shape})", "images")  # fmt: skip
+        out.append(torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(shape))
+    return out

@@ -46,6 +46,7 @@ from engine.kv_transfer import KVTransferAgent, KVTransferError
 from engine.llm_engine import LLMEngine, TokenOutput
 from engine.lora.commands import apply_lora_command
 from engine.profiling import EngineProfiler
+from engine.prompt_images import pixels_of
 from engine.worker_bridge import kv_events, to_delta, worker_stats
 from generation_worker.arrival import ArrivalBound
 from generation_worker.pulls import Pull, plan_read
@@ -230,6 +231,7 @@ class GenerationWorker:
                     request.sampling,
                     request.extra_keys,
                     priority=request.priority,
+                    images=pixels_of(request.images, self.engine.model_config.vision),
                 )
             except (InvalidRequest, ValueError) as e:
                 self.fail(active, 400, str(e), getattr(e, "param", "prompt"))
@@ -280,8 +282,12 @@ class GenerationWorker:
         logger.info("%s: its KV on %s is not readable in time; prefilling it here",
                     request.request_id, prefill.agent_name)  # fmt: skip
         self.release_source(decode)
-        self.prompts_recomputed += 1
         active = self.active[request.request_id]
+        if self.engine.needs_images(active.prompt):  # its pixels stayed on the context worker
+            self.fail(active, 503, "the prompt's KV was not read in time, and its images are "
+                      "not here to prefill it again", None, "kv_transfer_failed")  # fmt: skip
+            return
+        self.prompts_recomputed += 1
         try:
             self.engine.add_continued_request(
                 request.request_id,
@@ -385,7 +391,9 @@ class GenerationWorker:
         """The READ failed or timed out (and is cancelled): recompute here, or fail the request."""
         pull = self.pulls.pop(request_id)
         self.kv_pull_failures += 1
-        recompute = self.config.transfer.recompute_on_failure
+        recompute = self.config.transfer.recompute_on_failure and not self.engine.needs_images(
+            self.active[request_id].prompt
+        )  # a prompt's images stay with the context worker that prefilled it
         source = pull.decode.prefill.agent_name if pull.decode.prefill else "?"
         logger.warning(
             "%s: KV pull from %s failed (%s); %s",

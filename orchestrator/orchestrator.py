@@ -535,7 +535,8 @@ class Orchestrator:
         record.state = State.DECODING
         self.assign(record, worker, "generation_worker")
         decode = DecodeRequest(
-            request=record.engine,
+            # a pulled prompt's images stay where it was prefilled: their digests go on
+            request=record.engine if prefill is None else record.engine.without_pixels(),
             postproc_address=record.postproc_address,
             postproc_start=record.postproc_start,
             prefill=prefill,

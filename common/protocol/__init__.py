@@ -46,6 +46,7 @@ from common.protocol.to_engine import (
     PrefillDone,
     PrefillRequest,
     Profile,
+    PromptImage,
     lora_name_of,
     salt_extra_keys,
 )
@@ -202,6 +203,7 @@ __all__ = [
     "pack_postproc_start",
     "lora_name_of",
     "salt_extra_keys",
+    "PromptImage",
     "tail_token_ids",
     "unpack_postproc_start",
 ]

@@ -21,15 +21,31 @@ from common.sampling_params import SamplingParams
 from common.stage_times import StageTimes
 
 
-def salt_extra_keys(cache_salt: str | None, lora_name: str | None = None) -> tuple[ExtraKey, ...]:
+def salt_extra_keys(
+    cache_salt: str | None, lora_name: str | None = None, images: list[PromptImage] | None = None
+) -> tuple[ExtraKey, ...]:
     """What salts a request's block hashes: a cache_salt keeps tenants' prefixes apart, a LoRA
-    adapter's name its KV apart from the base model's and other adapters'. Engine workers and the
+    adapter's name its KV apart from the base model's and other adapters', each image's digest
+    its prompt apart from the same tokens with another image. Engine workers and the
     orchestrator's router must hash alike, so both read it here."""
     salt: tuple[ExtraKey, ...] = (("cache_salt", cache_salt),) if cache_salt else ()
-    return salt + ((LORA_KEY, lora_name),) if lora_name else salt
+    if lora_name:
+        salt += ((LORA_KEY, lora_name),)
+    return salt + tuple((IMAGE_KEY, image.digest) for image in images or ())
 
 
 LORA_KEY = "lora"
+IMAGE_KEY = "image"
+
+
+class PromptImage(msgspec.Struct, frozen=True, kw_only=True):
+    """One image of a prompt, as the model's image processor made it (frontend/images.py):
+    float32 pixel values, little-endian, (channels, size, size) in C order. Sent only to the
+    worker that prefills the prompt; a generation worker that pulls the prompt's KV gets the
+    digest alone (its prefix-cache key: engine/prompt_images.py `image_key`)."""
+
+    digest: str  # sha256 of `pixels`, hex
+    pixels: bytes = b""
 
 
 def lora_name_of(extra_keys: tuple[ExtraKey, ...]) -> str | None:
@@ -50,10 +66,18 @@ class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     cache_salt: str | None = None
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
+    images: list[PromptImage] = msgspec.field(default_factory=list)  # in prompt order
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
-        return salt_extra_keys(self.cache_salt, self.lora_name)
+        return salt_extra_keys(self.cache_salt, self.lora_name, self.images)
+
+    def without_pixels(self) -> EngineRequest:
+        """For a worker that pulls the prompt's KV: the images' digests, not their pixels."""
+        if not self.images:
+            return self
+        images = [PromptImage(digest=image.digest) for image in self.images]
+        return msgspec.structs.replace(self, images=images)
 
 
 class PrefillRequest(_Message, tag="prefill"):

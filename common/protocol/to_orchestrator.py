@@ -15,7 +15,7 @@ import msgspec
 
 from common.block_hash import ExtraKey
 from common.kv_events import KVEvent
-from common.protocol.to_engine import EngineRequest, salt_extra_keys
+from common.protocol.to_engine import EngineRequest, PromptImage, salt_extra_keys
 from common.protocol.to_postproc import (
     PROMPT_CONTEXT_TOKENS,
     FinishReason,
@@ -40,6 +40,7 @@ class GenerateRequest(_Message, tag="generate"):
     cache_salt: str | None = None
     priority: int = 0
     lora_name: str | None = None  # `model:` named a LoRA adapter (None: the base model)
+    images: list[PromptImage] = msgspec.field(default_factory=list)  # in prompt order
     # the seed's conversation_params: the orchestrator keeps a conversation on its last workers
     conversation_id: str | None = None
     # Made by the frontend, where the tokens are, so that the orchestrator (the cluster's one
@@ -50,7 +51,7 @@ class GenerateRequest(_Message, tag="generate"):
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
-        return salt_extra_keys(self.cache_salt, self.lora_name)
+        return salt_extra_keys(self.cache_salt, self.lora_name, self.images)
 
     def engine_request(self) -> EngineRequest:
         """The part engine workers read (no output options, no routing fields)."""
@@ -61,6 +62,7 @@ class GenerateRequest(_Message, tag="generate"):
             cache_salt=self.cache_salt,
             priority=self.priority,
             lora_name=self.lora_name,
+            images=self.images,
         )
 
     def postproc_start(self) -> PostprocStart:

@@ -74,8 +74,9 @@ def prefill_request(request: GenerateRequest) -> PrefillRequest:
 
 def decode_request(request: GenerateRequest, prefill: PrefillDone | None = None) -> DecodeRequest:
     """As the orchestrator makes it (Orchestrator.start_decode)."""
+    engine = request.engine_request()
     return DecodeRequest(
-        request=request.engine_request(),
+        request=engine if prefill is None else engine.without_pixels(),
         postproc_address=POSTPROC,
         postproc_start=pack_postproc_start(request.postproc_start()),
         prefill=prefill,

@@ -196,12 +196,19 @@ def test_an_engine_worker_reads_no_output_options_or_routing_fields() -> None:
     request = chat_request()
     engine = request.engine_request()
     assert set(engine.__struct_fields__) == {
-        "request_id", "prompt_token_ids_b64", "sampling", "cache_salt", "priority", "lora_name"
+        "request_id", "prompt_token_ids_b64", "sampling", "cache_salt", "priority", "lora_name",
+        "images",
     }  # fmt: skip
     assert engine.extra_keys == request.extra_keys == (("cache_salt", "tenant-a"),)
     with_lora = msgspec.structs.replace(request, lora_name="sql").engine_request()
     assert with_lora.extra_keys == (("cache_salt", "tenant-a"), ("lora", "sql"))
     assert protocol.lora_name_of(with_lora.extra_keys) == "sql"
+    image = protocol.PromptImage(digest="ab12", pixels=b"\0" * 16)
+    with_image = msgspec.structs.replace(request, images=[image]).engine_request()
+    assert with_image.extra_keys == (("cache_salt", "tenant-a"), ("image", "ab12"))
+    pulled = with_image.without_pixels()  # what a generation worker that pulls the KV gets
+    assert pulled.images == [protocol.PromptImage(digest="ab12")]
+    assert pulled.extra_keys == with_image.extra_keys
     assert not {"stop", "skip_special_tokens"} & set(SamplingParams.__struct_fields__)
     prefill = protocol.PrefillRequest(
         request=engine,
