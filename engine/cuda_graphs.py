@@ -153,7 +153,9 @@ class BucketGraph:
             forward(self.inputs)  # compiles the kernels and warms the allocator outside capture
             torch.cuda.synchronize(device)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            # thread_local: a worker's other threads (NIXL's UCX progress thread) may call CUDA
+            # meanwhile; only this thread's calls must be capturable
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.output = forward(self.inputs)
 
     def run(self, padded_rows: Callable[[PaddedDecode], PaddedDecode], n: int) -> torch.Tensor:
