@@ -35,13 +35,22 @@ MAX_PENDING = 64  # blocks queued for the writer; more are dropped rather than h
 class DiskTier:
     """Up to `capacity_bytes // block_num_bytes` blocks as files; LRU order, thread-safe reads."""
 
-    def __init__(self, path: str, capacity_bytes: int, block_num_bytes: int) -> None:
+    def __init__(
+        self, path: str, capacity_bytes: int, block_num_bytes: int, pin: bool = False
+    ) -> None:
+        """`pin`: a file is read into one pinned host buffer, then copied to the (GPU) pool,
+        where numpy's pageable array made the driver stage every copy through its own."""
         self.capacity_blocks = capacity_bytes // block_num_bytes
         if self.capacity_blocks < 1:
             raise ValueError(
                 f"disk tier of {capacity_bytes} bytes holds no {block_num_bytes}-byte block"
             )
         self.block_num_bytes = block_num_bytes
+        self._staging = (
+            torch.empty(block_num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if pin
+            else None
+        )
         Path(path).mkdir(parents=True, exist_ok=True)
         self.directory = Path(tempfile.mkdtemp(prefix="kv-offload-", dir=path))
         self._lock = threading.Lock()
@@ -94,13 +103,21 @@ class DiskTier:
             data = pending
         else:
             try:  # the writer finished it: it stays on disk until unlinked by this thread's order
-                data = torch.from_numpy(np.fromfile(self._file(block_hash), dtype=np.uint8))
+                data = self._read(block_hash)
             except OSError:
                 logger.warning("KV disk tier: block %#x unreadable; recomputing it", block_hash)
                 self._entries.pop(block_hash, None)
                 return False
-        dst.view(torch.uint8).view(-1).copy_(data.view(-1))
+        dst.view(torch.uint8).view(-1).copy_(data.view(-1))  # synchronous: staging is reused
         return True
+
+    def _read(self, block_hash: int) -> torch.Tensor:
+        if self._staging is None:
+            return torch.from_numpy(np.fromfile(self._file(block_hash), dtype=np.uint8))
+        with self._file(block_hash).open("rb") as f:
+            if f.readinto(self._staging.numpy()) != self.block_num_bytes:
+                raise OSError(f"{self._file(block_hash)} is shorter than a block")
+        return self._staging
 
     def remove(self, block_hash: int) -> None:
         if self._entries.pop(block_hash, "absent") is None:

@@ -110,7 +110,7 @@ class KVOffload:
             )
         self.host = HostTier(pool.shape[1:], pool.dtype, num_slots, pin=pool.is_cuda)
         self.disk = (
-            DiskTier(config.disk_path, config.disk_bytes, block_num_bytes)
+            DiskTier(config.disk_path, config.disk_bytes, block_num_bytes, pin=pool.is_cuda)
             if config.disk_path and config.disk_bytes > 0
             else None
         )

@@ -107,6 +107,23 @@ def test_disk_tier_serves_a_block_before_its_file_is_written(tmp_path: Path) -> 
         disk.close()
 
 
+def test_disk_tier_reads_a_file_through_its_staging_buffer(tmp_path: Path) -> None:
+    """pin=True (a GPU pool: the buffer is pinned there) reads each file into one reused host
+    buffer, then into the pool block: the same bytes as numpy's read, file after file."""
+    pool = _pool(3)
+    disk = DiskTier(str(tmp_path), 4 * _block_bytes(pool), _block_bytes(pool), pin=True)
+    try:
+        assert disk.put(7, pool[0]) == [] and disk.put(8, pool[1]) == []
+        disk.flush()  # both on disk: read_into reads the files
+        out = torch.empty_like(pool[2])
+        for block_hash, block in ((7, pool[0]), (8, pool[1]), (7, pool[0])):
+            assert disk.read_into(block_hash, out) and torch.equal(out, block)
+        disk._file(8).write_bytes(b"short")
+        assert not disk.read_into(8, out) and 8 not in disk  # unreadable: forgotten
+    finally:
+        disk.close()
+
+
 def _manager(num_blocks: int, host_blocks: int) -> tuple[KVCacheManager, torch.Tensor]:
     pool = _pool(num_blocks)
     offload = KVOffload(pool, KVOffloadConfig(host_bytes=host_blocks * _block_bytes(pool)))
