@@ -69,7 +69,28 @@ class ToolResultBlock(_Strict, tag_field="type", tag="tool_result"):
     cache_control: dict[str, Any] | None = None
 
 
-ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
+class ImageSource(_Strict):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif or image/webp
+    data: str | None = None
+    url: str | None = None
+
+    def as_url(self, param: str) -> str:
+        """The image as the chat API's image_url (a data: URL for base64)."""
+        if self.type == "url" and self.url:
+            return self.url
+        if self.type == "base64" and self.data and self.media_type:
+            return f"data:{self.media_type};base64,{self.data}"
+        needs = "url" if self.type == "url" else "media_type and data"
+        raise InvalidRequest(f"an image source of type {self.type} needs {needs}", param)
+
+
+class ImageBlock(_Strict, tag_field="type", tag="image"):
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
+
+
+ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock | ImageBlock
 
 
 class AnthropicMessage(_Strict):
@@ -167,6 +188,8 @@ def _user_turn(blocks: list[ContentBlock], param: str) -> list[Message]:
             results.append(Message(role="tool", tool_call_id=block.tool_use_id, content=text))
         elif isinstance(block, TextBlock):
             texts.append(TextPart(text=block.text))
+        elif isinstance(block, ImageBlock):
+            texts.append(ImagePart(image_url={"url": block.source.as_url(param)}))
         else:
             raise InvalidRequest(f"a user message cannot hold a {_tag(block)} block", param)
     return results + ([Message(role="user", content=texts)] if texts or not results else [])

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from common.errors import InvalidRequest
-from frontend import anthropic, message_batches
+from frontend import anthropic, chat, message_batches
 from frontend.batch_store import BatchRecord
 from frontend.endpoint import (
     FrontendState,
@@ -24,6 +24,7 @@ from frontend.endpoint import (
     translate,
 )
 from frontend.generation import serve
+from frontend.images import with_images
 from frontend.lora import lora_of, with_lora
 
 
@@ -31,8 +32,12 @@ async def create_message(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, anthropic.MessagesRequest)
     lora_name = await lora_of(state, body.model)
-    generates = await translate(
-        lambda: [anthropic.to_generate_request(body, state.model, state.client.reply_to)]
+    reply_to = state.client.reply_to
+    urls = chat.image_urls(anthropic.as_chat(body).messages)
+    generates = await with_images(
+        translate(lambda: [anthropic.to_generate_request(body, state.model, reply_to)]),
+        urls,
+        state.model.vision,
     )
     generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds

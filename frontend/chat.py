@@ -28,6 +28,7 @@ from common.thinking import THINK_END, THINK_START, resolve_prefilled_thinking
 from frontend import harmony_prompt, seed_extensions
 from frontend.chat_template import RenderedPrompt, render, takes_tools
 from frontend.completions import StreamOptions, check_token_ids, new_request_id
+from frontend.images import expand_placeholders
 from frontend.model_info import ModelInfo
 from frontend.sampling import (
     SamplingFields,
@@ -199,20 +200,47 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
     check_disaggregated(body.disaggregated_params)
     if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    for i, message in enumerate(body.messages):
-        if isinstance(message.content, list) and any(
-            isinstance(p, ImagePart) for p in message.content
-        ):
-            raise InvalidRequest("this model takes text only", f"messages[{i}].content")
+
+
+def image_urls(messages: list[Message]) -> list[tuple[str, str]]:
+    """Each image part's URL and the parameter that names it, in prompt order (frontend/images.py
+    loads them while the template renders)."""
+    found = []
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if isinstance(part, ImagePart):
+                param = f"messages[{i}].content[{j}].image_url"
+                url = part.image_url.get("url")
+                if not isinstance(url, str):
+                    raise InvalidRequest("an image_url part needs a url string", param)
+                if message.role != "user":
+                    raise InvalidRequest("images can only be in user messages", param)
+                found.append((url, param))
+    return found
+
+
+def check_images(body: ChatCompletionRequest, model: ModelInfo, given: list[int] | None) -> int:
+    """How many images the prompt holds; a 400 where this model or request cannot take them."""
+    urls = image_urls(body.messages)
+    if urls and model.vision is None:
+        raise InvalidRequest("this model takes text only", urls[0][1])
+    if urls and given is not None:
+        raise InvalidRequest("images cannot come with prompt_token_ids", urls[0][1])
+    return len(urls)
 
 
 _SDK_ONLY_FIELDS = ("refusal", "annotations", "audio", "function_call")
 
 
-def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[Message], image_token: str | None = None
+) -> list[dict[str, Any]]:
     """Messages as the plain dicts chat templates expect: developer is a system turn, and text
     parts are joined into one string (as vLLM does for text models: many templates, SmolLM2's
-    among them, concatenate `content` as a string)."""
+    among them, concatenate `content` as a string), each image part, for a model that takes
+    them, as its `image_token` in its place (frontend/images.py expands it after tokenizing)."""
     out = []
     for message in messages:
         record = msgspec.to_builtins(message)
@@ -221,9 +249,10 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
         if record["role"] == "developer":
             record["role"] = "system"
         if isinstance(message.content, list):
-            record["content"] = "\n".join(
-                part.text for part in message.content if isinstance(part, TextPart)
-            )
+            parts = [
+                part.text if isinstance(part, TextPart) else image_token for part in message.content
+            ]
+            record["content"] = "\n".join(p for p in parts if p is not None)
         out.append(record)
     return out
 
@@ -257,7 +286,8 @@ def render_chat(body: ChatCompletionRequest, model: ModelInfo) -> RenderedPrompt
     source = body.chat_template or tokenizer.chat_template
     if source is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
-    messages = template_messages(body.messages)
+    image_token = model.vision.image_token if model.vision is not None else None
+    messages = template_messages(body.messages, image_token)
     tools = tool_dicts(body.tools) if body.tools else None
     if not takes_tools(source):
         messages, tools = fold_tools(messages, tools, model.tool_parser), None
@@ -309,6 +339,7 @@ def to_generate_request(
     check_request(body, allow_request_template)
     tokenizer = model.tokenizer
     given = given_prompt_ids(body, model)
+    num_images = check_images(body, model, given)
     if given is not None:  # the pass-through path: no template, the ids are the prompt
         text = tokenizer.decode(given, skip_special_tokens=False)
         rendered = RenderedPrompt(text, text)
@@ -348,6 +379,8 @@ def to_generate_request(
         prompt = tokenizer.encode(rendered.prompt_text)
         if plan.prompt_prefix:  # the server's doing: usage counts the template's tokens only
             excluded = len(prompt) - len(tokenizer.encode(template_text))
+        if model.vision is not None:  # each image's token as many times as it has rows
+            prompt = expand_placeholders(prompt, model.vision, num_images)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )

@@ -19,6 +19,7 @@ from common.guided import ll_tokenizer
 from common.hf_config import language_model_config
 from common.parser_choice import HARMONY_MODEL_TYPES, ToolParserName, tool_parser_for
 from common.tokenizer import Tokenizer, load_tokenizer
+from frontend.images import VisionInfo
 from frontend.sampling import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ModelInfo:
     sampling_defaults: SamplingDefaults  # what omitted sampling fields mean
     max_token_chars: int  # the longest vocabulary entry: no token covers more characters
     speculative: bool = False  # the cluster's decoders speculate: beam search is refused
+    vision: VisionInfo | None = None  # a vision-language model's images (frontend/images.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
@@ -98,4 +100,5 @@ def load_model_info(config: ClusterConfig) -> ModelInfo:
         else SamplingDefaults(),
         max_token_chars=tokenizer.max_token_chars(),
         speculative=config.speculative is not None,
+        vision=VisionInfo.of_model(model_dir, hf_config, tokenizer),
     )

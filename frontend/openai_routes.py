@@ -11,6 +11,7 @@ from starlette.responses import Response
 from frontend import chat, completions, embeddings
 from frontend.endpoint import decode_body, state_of, translate
 from frontend.generation import serve
+from frontend.images import with_images
 from frontend.lora import lora_for, lora_of, with_lora
 
 
@@ -39,8 +40,15 @@ async def serve_chat(request: Request, body: chat.ChatCompletionRequest) -> Resp
     state = state_of(request)
     lora_name = await lora_for(state, body.model, body.lora_request)
     allow_template = state.config.frontend.allow_request_chat_template
-    generates = await translate(
-        lambda: [chat.to_generate_request(body, state.model, state.client.reply_to, allow_template)]
+    urls = chat.image_urls(body.messages)
+    generates = await with_images(
+        translate(
+            lambda: [
+                chat.to_generate_request(body, state.model, state.client.reply_to, allow_template)
+            ]
+        ),
+        urls,
+        state.model.vision,
     )
     generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds

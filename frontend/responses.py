@@ -86,6 +86,26 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content: its text, or, when it holds input_image parts, chat parts
+    (text and image_url, in order) for a model that takes images (chat.check_images)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequest("an input_image needs an image_url (file_id is not "
+                                     "supported)", f"{where}.content[{j}]")  # fmt: skip
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
+
+
 def _reasoning_text(item: dict[str, Any]) -> str:
     parts = item.get("content") or []
     return "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
@@ -107,7 +127,7 @@ def input_messages(
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequest(f"a message's role must be user, system, developer or "
                                      f"assistant, got {role!r}", where)  # fmt: skip
-            messages.append({"role": role, "content": _text(item.get("content", ""), where)})
+            messages.append({"role": role, "content": _content(item.get("content", ""), where)})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip

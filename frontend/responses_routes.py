@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend import responses
+from frontend import chat, responses
 from frontend.endpoint import (
     NotFound,
     decode_body,
@@ -24,6 +24,7 @@ from frontend.endpoint import (
     translate,
 )
 from frontend.generation import serve
+from frontend.images import with_images
 from frontend.lora import lora_of, with_lora
 from frontend.response_store import ResponseStore
 
@@ -40,8 +41,12 @@ async def create_response(request: Request) -> Response:
             raise NotFound(f"no stored response {body.previous_response_id!r}",
                            "previous_response_id", "response_not_found")  # fmt: skip
         history = stored[1]
-    generates = await translate(
-        lambda: [responses.to_generate_request(body, history, state.model, state.client.reply_to)]
+    reply_to, harmony = state.client.reply_to, state.model.harmony
+    urls = chat.image_urls(responses.as_chat_request(body, history, harmony).messages)
+    generates = await with_images(
+        translate(lambda: [responses.to_generate_request(body, history, state.model, reply_to)]),
+        urls,
+        state.model.vision,
     )
     generates = with_lora(generates, lora_name)
     timeout_s = state.config.frontend.request_timeout_seconds

@@ -42,7 +42,11 @@ def params(i: int, max_tokens: int = 6, **extra: object) -> dict:
 @pytest.mark.parametrize(
     ("options", "says"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+            "text only",
+        ),  # fmt: skip
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
         ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}}, "needs a name"),
         ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}}, "not in tools"),
