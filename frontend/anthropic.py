@@ -28,6 +28,7 @@ from common.protocol import GenerateRequest
 from frontend import chat
 from frontend.chat import (
     ChatCompletionRequest,
+    ContentPart,
     FunctionCall,
     FunctionDefinition,
     ImagePart,
@@ -180,7 +181,7 @@ def as_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
 def _user_turn(blocks: list[ContentBlock], param: str) -> list[Message]:
     """Tool results first (one tool message each, as chat templates expect), then the text."""
     results: list[Message] = []
-    texts: list[TextPart | ImagePart] = []
+    texts: list[ContentPart] = []
     for block in blocks:
         if isinstance(block, ToolResultBlock):
             content = block.content
@@ -197,7 +198,7 @@ def _user_turn(blocks: list[ContentBlock], param: str) -> list[Message]:
 
 def _assistant_turn(blocks: list[ContentBlock], param: str) -> Message:
     reasoning: list[str] = []
-    texts: list[TextPart | ImagePart] = []
+    texts: list[ContentPart] = []
     calls: list[ToolCall] = []
     for block in blocks:
         if isinstance(block, ThinkingBlock):

@@ -68,6 +68,15 @@ class ImagePart(_Strict, tag_field="type", tag="image_url"):
     image_url: dict[str, Any]
 
 
+class ImageEmbedsPart(_Strict, tag_field="type", tag="image_embeds"):
+    """vLLM's precomputed image embeddings: read, to be refused with a reason (image_urls)."""
+
+    image_embeds: Any
+
+
+ContentPart = TextPart | ImagePart | ImageEmbedsPart
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str
@@ -81,7 +90,7 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -205,12 +214,14 @@ def check_request(body: ChatCompletionRequest, allow_request_template: bool) -> 
 def image_urls(messages: list[Message]) -> list[tuple[str, str]]:
     """Each image part's URL and the parameter that names it, in prompt order (frontend/images.py
     loads them while the template renders)."""
-    found = []
+    found, embeds = [], []
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
             continue
         for j, part in enumerate(message.content):
-            if isinstance(part, ImagePart):
+            if isinstance(part, ImageEmbedsPart):
+                embeds.append(f"messages[{i}].content[{j}].image_embeds")
+            elif isinstance(part, ImagePart):
                 param = f"messages[{i}].content[{j}].image_url"
                 url = part.image_url.get("url")
                 if not isinstance(url, str):
@@ -218,6 +229,12 @@ def image_urls(messages: list[Message]) -> list[tuple[str, str]]:
                 if message.role != "user":
                     raise InvalidRequest("images can only be in user messages", param)
                 found.append((url, param))
+    if embeds:  # the seed's rule: media and precomputed embeddings never come together
+        if found:
+            raise InvalidRequest("images and precomputed image embeddings are mutually "
+                                 "exclusive: send one or the other", embeds[0])  # fmt: skip
+        refused = "precomputed image embeddings are not accepted: send the image (image_url)"
+        raise InvalidRequest(refused, embeds[0])
     return found
 
 

@@ -205,3 +205,17 @@ def test_images_a_model_or_request_cannot_take_are_refused(http, llava_http, fak
     typed = llava_http.post("/v1/chat/completions", json=spelled)
     assert typed.status_code == 400 and "image tokens" in typed.json()["error"]["message"]
     assert fake.submitted == []
+
+
+def test_precomputed_embeddings_are_refused_and_never_beside_an_image(llava_http, fake) -> None:
+    """The seed's rule: media and precomputed embeddings are exclusive; embeddings alone are
+    not accepted either (the model's own encoder reads the image)."""
+    embeds = {"type": "image_embeds", "image_embeds": "AAAA"}
+    both = llava_http.post("/v1/chat/completions",
+                           json=chat_body(image_part(data_url(png(60, 60))), embeds))  # fmt: skip
+    assert both.status_code == 400
+    assert "mutually exclusive" in both.json()["error"]["message"]
+    assert both.json()["error"]["param"] == "messages[0].content[1].image_embeds"
+    alone = llava_http.post("/v1/chat/completions", json=chat_body(embeds))
+    assert alone.status_code == 400 and "not accepted" in alone.json()["error"]["message"]
+    assert fake.submitted == []
