@@ -243,12 +243,17 @@ def build_tiny_arch(path: Path, *, arch: str, dtype: str = "float32") -> Path:
             progress(f"tiny-{arch}: seed {SEED + attempt} repeats itself; trying the next")
         else:
             raise RuntimeError(f"tiny-{arch}: no seed of {MAX_SEEDS} gave varied continuations")
+    return save_tiny(model, path, eos, f"tiny-{arch}")
+
+
+def save_tiny(model: PreTrainedModel, path: Path, eos: list[int], name: str) -> Path:
+    """The checkpoint, greedy by default, the same bytes whichever transformers wrote it."""
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = ENDOFTEXT_ID
     model.generation_config.do_sample = False
     model.save_pretrained(path)
     _drop_transformers_version(path)
-    progress(f"tiny-{arch}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    progress(f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters")
     return path
 
 

@@ -21,9 +21,9 @@ from tools.tiny_arch.build import (
     MAX_SEEDS,
     SEED,
     SMALL,
-    _drop_transformers_version,
     _varied,
     init_random,
+    save_tiny,
 )
 from tools.tiny_model.build import ENDOFTEXT_ID, fixed_threads, write_tokenizer_files
 
@@ -80,11 +80,5 @@ def build_tiny_llava(path: Path, dtype: str = "float32") -> Path:
             progress(f"tiny-llava: seed {SEED + attempt} repeats itself; trying the next")
         else:
             raise RuntimeError(f"tiny-llava: no seed of {MAX_SEEDS} gave varied continuations")
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = ENDOFTEXT_ID
-    model.generation_config.do_sample = False
-    model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
-    _drop_transformers_version(path)
-    progress(f"tiny-llava: {sum(p.numel() for p in model.parameters()):,} parameters")
-    return path
+    return save_tiny(model, path, eos, "tiny-llava")

@@ -12,21 +12,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.protocol import GenerateRequest, PromptImage, Registered, RequestFailed
+from common.protocol import GenerateRequest, PromptImage, RequestFailed
 from common.sampling_params import SamplingParams
-from context_worker.worker import ContextWorker
 from engine.builtin_build import ensure_builtin
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from generation_worker.worker import GenerationWorker
 from tests.unit.engine.test_llava import pixels, prompt_with
-from tests.unit.generation_worker.test_worker import Pair, reference_tokens, tokens_out
+from tests.unit.generation_worker.test_worker import Pair, pair_of, reference_tokens, tokens_out
 from tests.unit.worker_doubles import (
     BLOCK_SIZE,
     NUM_BLOCKS,
-    Clock,
-    FakeAgent,
-    cluster_config,
     decode_request,
     generate_request,
     sent,
@@ -50,14 +45,7 @@ def engines(llava_path: Path) -> tuple[LLMEngine, LLMEngine, LLMEngine]:
 @pytest.fixture
 def pair(llava_path: Path, engines) -> Pair:
     context_engine, generation_engine, _ = engines
-    config = cluster_config(llava_path)
-    clock, fabric = Clock(), {}
-    source = FakeAgent("ctx-agent", context_engine.kv_cache.pool, fabric)
-    reader = FakeAgent("gen-agent", generation_engine.kv_cache.pool, fabric)
-    context = ContextWorker(config, "ctx-0", context_engine, source, clock)
-    generation = GenerationWorker(config, "gen-0", generation_engine, reader, clock)
-    generation.handle(Registered(peers=[source.info()]), clock.now)
-    yield Pair(context, generation, source, reader, clock)
+    yield pair_of(llava_path, engines)
     for engine in (context_engine, generation_engine):
         assert not engine.has_unfinished()
         assert engine.kv_usage.used == 0 and engine.num_held_blocks == 0

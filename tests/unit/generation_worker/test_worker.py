@@ -92,19 +92,25 @@ class Pair:
         raise AssertionError("the generation worker never went idle")
 
 
+def pair_of(model_path: Path, engines, **transfer: object) -> Pair:
+    """Workers over engines[0] (context) and engines[1] (generation), their agents linked."""
+    context_engine, generation_engine, _ = engines
+    config = cluster_config(model_path, **transfer)
+    clock, fabric = Clock(), {}
+    source = FakeAgent("ctx-agent", context_engine.kv_cache.pool, fabric)
+    reader = FakeAgent("gen-agent", generation_engine.kv_cache.pool, fabric)
+    context = ContextWorker(config, "ctx-0", context_engine, source, clock)
+    generation = GenerationWorker(config, "gen-0", generation_engine, reader, clock)
+    generation.handle(Registered(peers=[source.info()]), clock.now)
+    return Pair(context, generation, source, reader, clock)
+
+
 @pytest.fixture
 def make_pair(tiny_model_path: Path, engines) -> Iterator:
     context_engine, generation_engine, _ = engines
 
     def make(**transfer: object) -> Pair:
-        config = cluster_config(tiny_model_path, **transfer)
-        clock, fabric = Clock(), {}
-        source = FakeAgent("ctx-agent", context_engine.kv_cache.pool, fabric)
-        reader = FakeAgent("gen-agent", generation_engine.kv_cache.pool, fabric)
-        context = ContextWorker(config, "ctx-0", context_engine, source, clock)
-        generation = GenerationWorker(config, "gen-0", generation_engine, reader, clock)
-        generation.handle(Registered(peers=[source.info()]), clock.now)
-        return Pair(context, generation, source, reader, clock)
+        return pair_of(tiny_model_path, engines, **transfer)
 
     yield make
     for engine in (context_engine, generation_engine):
