@@ -9,7 +9,8 @@
  * once where it lies, eight tokens at a time for all its query heads (GQA: a KV head's rows
  * serve every query head that shares it), with a two-pass softmax in float32 (scores, then
  * max / exp / sum, then the weighted sum of values): the reference's maths, summed in another
- * order. Prefill takes a sequence's new tokens a tile at a time (paged_prefill, below). Both
+ * order. Prefill takes a sequence's new tokens a tile at a time (paged_prefill, below; a
+ * bfloat16 model's over a bfloat16 cache by AVX512-BF16 dot products, cpu_prefill_pairs.c). Both
  * take a sliding window (keys before it are skipped), a soft cap (tanh_clamped, vectorized) and
  * attention sinks (gpt-oss: a logit per query head that joins each row's softmax, with no
  * value, so the row's weights sum to less than one).
@@ -334,7 +335,9 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
  * path. The same prompts with Gemma 2's soft cap of 50 (and its window of 4096, or none):
  * 0.19-0.21 s, where a decode query per token (how these ran before the tiles took them) took
  * 0.66 (libm's tanhf, a call per score); with a window of 64, 0.10 against 0.14, and 0.12
- * against 0.38 with the cap too. */
+ * against 0.38 with the cap too. Where the cache is bfloat16 and the queries are bfloat16 values
+ * (a bfloat16 model's), paged_prefill hands the work to cpu_prefill_pairs.c instead (AVX512-BF16
+ * hosts): these tiles stay for float32 and int8 caches, float32 queries, and older CPUs. */
 #ifdef __AVX512VL__
 enum { TILE = 12 }; /* 24 accumulators in AVX-512's 32 registers */
 #else
@@ -442,6 +445,58 @@ static inline __attribute__((always_inline)) void prefill_sequence(
  * to back (cu_seqlens_q: (batch + 1,) int32); context_lens: (batch,) int32, each sequence's
  * cached prefix plus its new tokens. window, soft_cap, sinks: as paged_decode's. Returns 0, or
  * -1 when scratch memory could not be had. */
+/* cpu_prefill_pairs.c: the bfloat16 cache's dot-product path (its comment says when and why). */
+int prefill_pairs_available(void);
+int64_t prefill_pairs_scratch(int64_t n, int64_t d);
+void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int64_t total, int64_t queries, float *out,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t kvh, int64_t d,
+                   int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                   float soft_cap, const float *sinks, void *scratch);
+
+/* Whether all n float32 values are bfloat16s (their low halves zero): a bfloat16 model's. */
+static int all_bf16(const float *x, int64_t n) {
+    uint32_t low = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        low |= bits & 0xffffu;
+    }
+    return low == 0;
+}
+
+/* paged_prefill by cpu_prefill_pairs.c, a task per (sequence, KV head). */
+static int paged_prefill_pairs(const float *q, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                               const int32_t *context_lens, float *out, int64_t batch,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                               int64_t block_size, int64_t block_stride, int64_t max_blocks,
+                               float scale, int64_t window, float soft_cap, const float *sinks,
+                               int threads) {
+    int64_t bytes = prefill_pairs_scratch(longest_context(context_lens, batch), d);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        void *scratch = malloc(bytes);
+        if (scratch == NULL) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t task = 0; task < batch * num_kv_heads; task++) {
+                int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+                int64_t start = cu_seqlens_q[b], queries = cu_seqlens_q[b + 1] - start;
+                if (queries == 0) continue;
+                prefill_pairs(q + start * num_heads * d, k_cache, v_cache,
+                              block_tables + b * max_blocks, context_lens[b], queries,
+                              out + start * num_heads * d, num_heads, num_kv_heads, kvh, d,
+                              block_size, block_stride, scale, window, soft_cap, sinks, scratch);
+            }
+            free(scratch);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int dtype,
                   const int32_t *block_tables, const int32_t *cu_seqlens_q,
                   const int32_t *context_lens, float *out, int64_t batch, int64_t num_heads,
@@ -449,6 +504,13 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
                   int64_t max_blocks, float scale, int64_t window, float soft_cap,
                   const float *sinks, int threads) {
     if (d % 8 != 0) abort(); /* cpu_kernels.supports() sends such caches to the torch path */
+    if (dtype == BF16 && d % 16 == 0 && prefill_pairs_available() &&
+        all_bf16(q + (int64_t)cu_seqlens_q[0] * num_heads * d,
+                 (int64_t)(cu_seqlens_q[batch] - cu_seqlens_q[0]) * num_heads * d))
+        return paged_prefill_pairs(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                   context_lens, out, batch, num_heads, num_kv_heads, d,
+                                   block_size, block_stride, max_blocks, scale, window, soft_cap,
+                                   sinks, threads);
     int64_t padded = (longest_context(context_lens, batch) + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

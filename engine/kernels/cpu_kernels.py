@@ -49,7 +49,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_decode_moe.c", "cpu_moe.c",
-        "cpu_topk.cpp", "cpu_quant.c", "cpu_lora.c",
+        "cpu_topk.cpp", "cpu_quant.c", "cpu_lora.c", "cpu_prefill_pairs.c",
     )
 )  # fmt: skip
 HEADERS = tuple(  # included by the sources
@@ -81,6 +81,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
+    "prefill_pairs_available": (_int, []),
     "moe_experts": (
         _int,
         [*[_p] * 8, *[_i64] * 5, _int, _int, _int, _f32, _f32, _i64, _int],
@@ -175,7 +176,8 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention_ref: q's shape. Every sequence's new
-    tokens in one call, as cpu_kernels.c's tiles (`paged_prefill`; timings in its comment)."""
+    tokens in one call, as cpu_kernels.c's tiles (`paged_prefill`; timings in its comment), or
+    for a bfloat16 model's queries over a bfloat16 cache cpu_prefill_pairs.c's dot products."""
     lib = library()
     assert lib is not None and k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_dim = q.shape
@@ -327,6 +329,13 @@ def bf16_pairs_available() -> bool:
     """Whether the kernels were built with AVX512-BF16's dot products (cpu_linear.c's pairs)."""
     lib = library()
     return lib is not None and bool(lib.bf16_pairs_available())
+
+
+def prefill_pairs_available() -> bool:
+    """Whether paged_prefill has its AVX512-BF16 path (cpu_prefill_pairs.c): taken for a
+    bfloat16 cache when every query value is a bfloat16 and head_dim a multiple of 16."""
+    lib = library()
+    return lib is not None and bool(lib.prefill_pairs_available())
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
