@@ -193,7 +193,9 @@ def test_small_batches_get_short_tiles_and_more_splits() -> None:
     assert decode.choose_decode_config(4, 2, 16384, h100_sms).num_splits == decode.MAX_SPLITS
     big = decode.choose_decode_config(64, 8, 4096, h100_sms)
     assert big == decode.DecodeConfig(1, decode.BLOCK_N)
-    assert decode.choose_decode_config(16, 8, 4096, h100_sms).block_n == decode.BLOCK_N
+    # 16 x 8 = 128 programs leave SMs idle; 17 x 8 = 136 fill them
+    assert decode.choose_decode_config(16, 8, 4096, h100_sms).block_n == decode.SMALL_BATCH_BLOCK_N
+    assert decode.choose_decode_config(17, 8, 4096, h100_sms).block_n == decode.BLOCK_N
 
 
 @needs_kernels
