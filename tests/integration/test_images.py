@@ -1,8 +1,8 @@
 """Images through a real cluster (builtin:tiny-llava) in both modes, from outside with the
-official openai and anthropic SDKs: one and two images (a data: URL and an http URL from a
-loopback server), greedy tokens equal to one engine in process given the same prompt ids and
-the same pixels; the images cross the hand-off as the prompt's KV (the generation worker never
-gets pixels); an image that fails to load is a 400 and nothing is held after."""
+official openai (chat and Responses) and anthropic SDKs: one and two images (a data: URL and an
+http URL from a loopback server), greedy tokens equal to one engine in process given the same
+prompt ids and the same pixels; the images cross the hand-off as the prompt's KV (the generation
+worker never gets pixels); an image that fails to load is a 400 and nothing is held after."""
 
 from __future__ import annotations
 
@@ -115,6 +115,13 @@ def test_images_through_the_sdks_equal_the_engine_in_process(
             {"type": "text", "text": "What is in the picture?"}]}],
     )  # fmt: skip
     assert message.content[0].text == plain.choices[0].message.content  # type: ignore[union-attr]
+    response = client.responses.create(
+        model=LLAVA, max_output_tokens=MAX_NEW, temperature=0, store=False,
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(FIRST), "detail": "auto"},
+            {"type": "input_text", "text": "What is in the picture?"}]}],
+    )  # fmt: skip
+    assert response.output_text == plain.choices[0].message.content
 
     with pytest.raises(openai.BadRequestError, match="HTTP 404"):
         client.chat.completions.create(
