@@ -3,8 +3,8 @@ values while the template renders, then sent with the prompt (common/protocol Pr
 the worker that prefills it (engine/prompt_images.py encodes them there).
 
     image_url / Anthropic image / Responses input_image
-        ─ fetch (data: URL, or http(s) with a size cap and a timeout; never on the loop's time:
-          awaited, while the render runs in its thread)
+        ─ fetch (an http(s) URL, with a size cap and a timeout, awaited on the loop while the
+          render runs in its thread; a data: URL is base64-decoded in a thread)
         ─ decode and preprocess in a thread (Pillow; CLIP's image processor, as the model's
           preprocessor_config.json says: resize the short edge, centre crop, rescale, normalise)
         ─ PromptImage(float32 pixels, their sha256)
@@ -118,41 +118,45 @@ def prompt_image(pixels: np.ndarray) -> PromptImage:
 
 async def load_images(urls: list[tuple[str, str]], vision: VisionInfo) -> list[PromptImage]:
     """Each (url, param) fetched and preprocessed, all at once; InvalidRequest naming the first
-    that fails."""
+    that fails. Only the http(s) fetches run on the loop: a data: URL's base64, the decoding,
+    the preprocessing and the digest run in threads."""
     if len(urls) > MAX_IMAGES:
         raise InvalidRequest(f"{len(urls)} images: at most {MAX_IMAGES} a request", urls[0][1])
     async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as client:
-        return await _load_all(urls, vision, client)
+
+        async def one(url: str, param: str) -> PromptImage:
+            fetched = None if url.startswith("data:") else await fetch(url, param, client)
+            return await asyncio.to_thread(_prompt_image, url, fetched, param, vision)
+
+        return list(await asyncio.gather(*(one(url, param) for url, param in urls)))
 
 
-async def _load_all(
-    urls: list[tuple[str, str]], vision: VisionInfo, client: httpx.AsyncClient
-) -> list[PromptImage]:
+def _prompt_image(url: str, fetched: bytes | None, param: str, vision: VisionInfo) -> PromptImage:
+    """`fetched`: an http(s) URL's body; None for a data: URL, decoded here."""
+    data = fetched if fetched is not None else data_url_bytes(url, param)
+    try:
+        pixels = preprocess(data, vision)
+    except ValueError as e:
+        raise InvalidRequest(f"the image could not be decoded: {e}", param) from None
+    return prompt_image(pixels)
 
-    async def one(url: str, param: str) -> PromptImage:
-        data = await fetch(url, param, client)
-        try:
-            pixels = await asyncio.to_thread(preprocess, data, vision)
-        except ValueError as e:
-            raise InvalidRequest(f"the image could not be decoded: {e}", param) from None
-        return prompt_image(pixels)
 
-    return list(await asyncio.gather(*(one(url, param) for url, param in urls)))
+def data_url_bytes(url: str, param: str) -> bytes:
+    """A data: URL's bytes, within MAX_IMAGE_BYTES."""
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise InvalidRequest("a data: URL image must be base64 (data:image/...;base64,...)",
+                             param)  # fmt: skip
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise InvalidRequest(f"the image is over {MAX_IMAGE_BYTES} bytes", param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("the data: URL is not valid base64", param) from None
 
 
 async def fetch(url: str, param: str, client: httpx.AsyncClient) -> bytes:
-    """A data: URL's bytes, or an http(s) URL's body within MAX_IMAGE_BYTES and the timeout."""
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.endswith(";base64"):
-            raise InvalidRequest("a data: URL image must be base64 (data:image/...;base64,...)",
-                                 param)  # fmt: skip
-        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-            raise InvalidRequest(f"the image is over {MAX_IMAGE_BYTES} bytes", param)
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest("the data: URL is not valid base64", param) from None
+    """An http(s) URL's body, within MAX_IMAGE_BYTES and the timeout."""
     if not url.startswith(("http://", "https://")):
         raise InvalidRequest("an image URL must be http(s):// or data:", param)
     try:
