@@ -23,6 +23,7 @@ import torch
 from common.block_hash import ExtraKey
 from common.errors import InvalidRequest
 from common.protocol import PromptImage
+from common.protocol.to_engine import IMAGE_KEY
 from engine.model_config import VisionConfig
 from engine.models.decoder import CausalLM
 
@@ -32,7 +33,7 @@ ImageRows = list[tuple[int, torch.Tensor]]  # (the run's first prompt index, (to
 def image_key(pixels: torch.Tensor) -> tuple[str, str]:
     """The prefix-cache key of one image: a digest of its float32 pixel values."""
     data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return ("image", hashlib.sha256(data).hexdigest())
+    return (IMAGE_KEY, hashlib.sha256(data).hexdigest())
 
 
 def placeholder_runs(prompt: Sequence[int], vision: VisionConfig) -> list[int]:
@@ -85,9 +86,12 @@ def encode_images(
 def salted(
     extra_keys: tuple[ExtraKey, ...], images: Sequence[torch.Tensor]
 ) -> tuple[ExtraKey, ...]:
-    """The request's keys and each image's, once."""
-    keys = [image_key(p) for p in images]
-    return (*extra_keys, *(k for k in keys if k not in extra_keys))
+    """The request's keys and each image's. A request from the frontend carries its images'
+    digests already (the ones the router hashed with): they are not computed again here."""
+    carried = sum(1 for k in extra_keys if isinstance(k, tuple) and k[:1] == (IMAGE_KEY,))
+    if carried == len(images):
+        return extra_keys
+    return (*extra_keys, *(image_key(p) for p in images))
 
 
 def pixels_of(images: Sequence[PromptImage], vision: VisionConfig | None) -> list[torch.Tensor]:
