@@ -339,14 +339,13 @@ class Orchestrator:
         refusal = None
         if self.lora_round is not None:
             refusal = f"orchestrator: a LoRA {self.lora_round.command.action} is in progress"
-        engines = self.registry.live("context") + self.registry.live("generation")
-        if not engines:
+        ids = self.live_engine_ids()
+        if not ids:
             refusal = "orchestrator: no engine worker is up"
         if refusal is not None:
             done = LoRADone(action=command.action, lora_name=command.lora_name, errors=[refusal])
             out.append((sender, done))
             return
-        ids = [worker.worker_id for worker in engines]
         self.lora_round = LoRARound.begin(sender, command, ids, now)
         out.extend((worker_id.encode(), command) for worker_id in ids)
 
@@ -354,6 +353,11 @@ class Orchestrator:
         if self.lora_round is not None:
             self.lora_round.on_answer(sender.decode(errors="replace"), done)
             self.end_lora_round(out)
+
+    def live_engine_ids(self) -> list[str]:
+        """The engine workers a fanned-out round (LoRA, profile) is sent to."""
+        engines = self.registry.live("context") + self.registry.live("generation")
+        return [worker.worker_id for worker in engines]
 
     def stop_waiting_for_the_lost(self, round_: WorkerRound[Any], now: float) -> None:
         """Each tick of a fanned-out round: a worker that died since the command is not waited
@@ -382,12 +386,11 @@ class Orchestrator:
             busy = f"orchestrator: a {self.profile_round.answer.action} is in progress"
             out.append((sender, ProfileDone(action=command.action, errors=[busy])))
             return
-        engines = self.registry.live("context") + self.registry.live("generation")
-        if not engines:
+        ids = self.live_engine_ids()
+        if not ids:
             refusal = "orchestrator: no engine worker is up"
             out.append((sender, ProfileDone(action=command.action, errors=[refusal])))
             return
-        ids = [worker.worker_id for worker in engines]
         self.profile_round = ProfileRound.begin(sender, command, ids, now)
         out.extend((worker_id.encode(), command) for worker_id in ids)
 
