@@ -25,15 +25,7 @@ from common.builtin_models import builtin_model
 from common.model_cache import ensure_built
 from tools.tiny_arch import bench_dense
 
-SMALL = {  # the dry run's layout: every kind of tensor, a CPU forward in milliseconds
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": bench_dense.SMOLLM2_VOCAB + 64,
-}
+SMALL = bench_dense.SMALL
 
 
 def shape_name(model: str) -> str:

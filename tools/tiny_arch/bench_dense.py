@@ -25,6 +25,17 @@ from tools.tiny_model.build import write_json
 
 SEED = 20261207
 SMOLLM2_VOCAB = 49152
+# Each shape's layout scaled down (build_dense_bench's `overrides`): every kind of tensor, a CPU
+# forward in milliseconds, a few filler tokens past SmolLM2's; for tests and GPU dry runs
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": SMOLLM2_VOCAB + 64,
+}
 BOS_ID, EOS_ID = 1, 2  # SmolLM2's <|im_start|>, <|im_end|>
 
 

@@ -15,15 +15,7 @@ from common.builtin_models import BUILTIN_MODELS
 from common.sampling_params import SamplingParams
 from tools.tiny_arch import bench_dense
 
-SMALL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": bench_dense.SMOLLM2_VOCAB + 64,  # a few fillers past SmolLM2's tokens
-}
+SMALL = bench_dense.SMALL
 PROMPTS = ["The quick brown fox", "def main():\n    return"]
 
 
