@@ -11,6 +11,7 @@ engine and the frontend both read it through here. Torch-free.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 # The defaults of transformers' config classes (5.x, checked against its classes) for the fields
@@ -97,3 +98,32 @@ def language_model_config(raw: dict[str, Any]) -> dict[str, Any]:
             for i in range(int(config["num_hidden_layers"]))
         ]
     return config
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    """How a LLaVA-style checkpoint's prompt holds an image (config.json, LlavaConfig's defaults),
+    read alike by the frontend, which expands each image's token, and the engine, whose encoder
+    makes that many rows."""
+
+    image_token_id: int
+    image_size: int
+    patch_size: int
+    keep_cls: bool  # vision_feature_select_strategy "full" (else "default": CLS dropped)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_cls else 0)
+
+
+def image_layout(raw: dict[str, Any]) -> ImageLayout | None:
+    """None for a checkpoint without a vision tower."""
+    vision = raw.get("vision_config")
+    if not vision:
+        return None
+    return ImageLayout(
+        image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 32000))),
+        image_size=int(vision.get("image_size", 224)),
+        patch_size=int(vision.get("patch_size", 32)),
+        keep_cls=raw.get("vision_feature_select_strategy", "default") == "full",
+    )

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from common.hf_config import ImageLayout
+
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
 ROPE_KINDS: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -71,24 +73,29 @@ class VisionConfig:
     model's embeddings, replacing each image's `num_image_tokens` placeholder tokens."""
 
     language_model_type: str  # the text model's model_type (llama, qwen2, mistral)
-    image_token_id: int  # the placeholder token; one per image feature row in the prompt
+    layout: ImageLayout  # the placeholder token, the image's size and patches, CLS kept or not
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
-    image_size: int
-    patch_size: int
     num_channels: int
     layer_norm_eps: float
     hidden_act: Literal["quick_gelu", "gelu"]
     feature_layer: int  # a hidden state of the encoder: -1 its last layer's output, -2 ...
-    keep_cls: bool  # vision_feature_select_strategy "full" (else "default": CLS dropped)
     projector_act: Literal["gelu", "quick_gelu"]
     projector_bias: bool
 
     @property
+    def image_token_id(self) -> int:  # one per image feature row in the prompt
+        return self.layout.image_token_id
+
+    @property
     def num_image_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_cls else 0)
+        return self.layout.num_image_tokens
+
+    @property
+    def image_size(self) -> int:
+        return self.layout.image_size
 
     @property
     def layers_run(self) -> int:

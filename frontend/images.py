@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 from common.errors import InvalidRequest
+from common.hf_config import image_layout
 from common.protocol import GenerateRequest, PromptImage
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's encoded size, fetched or inline
@@ -42,8 +43,9 @@ BICUBIC = 3  # PIL's resample code, CLIP's default
 
 @dataclass(frozen=True, slots=True)
 class VisionInfo:
-    """What the frontend needs of a vision-language model (config.json and
-    preprocessor_config.json; engine/models/llava.py reads the rest)."""
+    """What the frontend needs of a vision-language model: its image layout (config.json, read
+    as the engine reads it: common/hf_config.py) and its image processor's settings
+    (preprocessor_config.json)."""
 
     image_token: str  # as the template writes it, once per image
     image_token_id: int
@@ -60,12 +62,10 @@ class VisionInfo:
         cls, model_dir: Path, hf_config: dict[str, Any], tokenizer: Any
     ) -> VisionInfo | None:
         """None for a text-only model (no vision_config)."""
-        vision = hf_config.get("vision_config")
-        if not vision:
+        layout = image_layout(hf_config)
+        if layout is None:
             return None
-        token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 32000)))
-        image_size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
-        full = hf_config.get("vision_feature_select_strategy", "default") == "full"
+        token_id, image_size = layout.image_token_id, layout.image_size
         processor_file = model_dir / "preprocessor_config.json"
         processor = json.loads(processor_file.read_text()) if processor_file.exists() else {}
         size = processor.get("size", {}).get("shortest_edge", image_size)
@@ -76,7 +76,7 @@ class VisionInfo:
         return cls(
             image_token=tokenizer.id_to_token(token_id) or "",
             image_token_id=token_id,
-            num_image_tokens=(image_size // patch) ** 2 + (1 if full else 0),
+            num_image_tokens=layout.num_image_tokens,
             size=int(size),
             crop=int(crop),
             resample=int(processor.get("resample", BICUBIC)),

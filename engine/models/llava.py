@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from common.hf_config import image_layout
 from engine.model_config import ModelConfig, VisionConfig, read_config_json
 from engine.models import Architecture, architecture
 from engine.models.checkpoint import State, rename
@@ -35,7 +36,9 @@ def read_config(model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
 
 
 def _vision_config(model_dir: Path, full: dict[str, Any], language_model_type: str) -> VisionConfig:
-    raw = full.get("vision_config") or {}
+    raw, layout = full.get("vision_config"), image_layout(full)
+    if not raw or layout is None:
+        raise ValueError(f"{model_dir}: a llava config.json without its vision_config")
     if raw.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise ValueError(f"{model_dir}: a {raw['model_type']} vision tower is not supported "
                          "(CLIP's is)")  # fmt: skip
@@ -50,18 +53,15 @@ def _vision_config(model_dir: Path, full: dict[str, Any], language_model_type: s
         raise ValueError(f"{model_dir}: activations {act} / {projector_act} are not supported")
     return VisionConfig(
         language_model_type=language_model_type,
-        image_token_id=int(full.get("image_token_index", full.get("image_token_id", 32000))),
+        layout=layout,
         hidden_size=int(raw.get("hidden_size", 768)),
         intermediate_size=int(raw.get("intermediate_size", 3072)),
         num_layers=int(raw.get("num_hidden_layers", 12)),
         num_heads=int(raw.get("num_attention_heads", 12)),
-        image_size=int(raw.get("image_size", 224)),
-        patch_size=int(raw.get("patch_size", 32)),
         num_channels=int(raw.get("num_channels", 3)),
         layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
         hidden_act=act,
         feature_layer=feature_layer,
-        keep_cls=strategy == "full",
         projector_act=projector_act,
         projector_bias=bool(full.get("multimodal_projector_bias", True)),
     )

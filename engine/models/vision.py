@@ -29,13 +29,13 @@ def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
 class VisionEmbeddings(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.patch_size = config.patch_size
+        patch = config.layout.patch_size
         self.class_embedding = nn.Parameter(torch.empty(config.hidden_size))
         self.patch_embedding = nn.Conv2d(
-            config.num_channels, config.hidden_size, config.patch_size, config.patch_size,
+            config.num_channels, config.hidden_size, patch, patch,
             bias=False,
         )  # fmt: skip
-        num_positions = (config.image_size // config.patch_size) ** 2 + 1
+        num_positions = (config.image_size // patch) ** 2 + 1
         self.position_embedding = nn.Embedding(num_positions, config.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,6 @@ class ImageEncoder(nn.Module):
             raise ValueError(f"pixel values of shape {tuple(pixels.shape)}: this model takes "
                              f"(n, {self.config.num_channels}, {size}, {size})")  # fmt: skip
         features = self.tower(pixels)
-        if not self.config.keep_cls:
+        if not self.config.layout.keep_cls:
             features = features[:, 1:]
         return self.projector(features)
