@@ -31,7 +31,7 @@ def engine_config(
     decodes: bool = True,
 ) -> EngineConfig:
     """`decodes`: the engine decodes past the first token (a generation worker, aggregated or
-    not); a context worker's does not, and loads no draft model."""
+    not); a context worker's does not, and loads no draft model nor captures decode graphs."""
     if max_num_batched_tokens is None:
         max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[config.device]
     return EngineConfig(
@@ -46,6 +46,7 @@ def engine_config(
         quantization=config.quantization,
         lora=config.lora,
         speculative=config.speculative if decodes else None,
+        cuda_graphs=decodes,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=config.max_model_len,
