@@ -38,6 +38,8 @@ from common.protocol import GenerateRequest, PromptImage
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's encoded size, fetched or inline
 FETCH_TIMEOUT_S = 10.0
 MAX_IMAGES = 16  # per request
+MAX_PIXELS = 40_000_000  # an image's, decoded (8k x 5k): 120 MB as RGB
+MAX_ASPECT = 64  # long side / short side: a 1 x 64 strip resized to 336 is 21,504 wide
 BICUBIC = 3  # PIL's resample code, CLIP's default
 
 
@@ -93,10 +95,11 @@ def preprocess(data: bytes, vision: VisionInfo) -> np.ndarray:
 
     try:
         with Image.open(io.BytesIO(data)) as opened:
+            width, height = opened.size  # from the header: nothing decoded yet
+            check_size(width, height)
             image = opened.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"not an image Pillow can read ({e})") from None
-    width, height = image.size
     short, long = min(width, height), max(width, height)
     new_long = int(vision.size * long / short)
     new_size = (vision.size, new_long) if width <= height else (new_long, vision.size)
@@ -109,6 +112,16 @@ def preprocess(data: bytes, vision: VisionInfo) -> np.ndarray:
     mean = np.asarray(vision.mean, dtype=np.float32)[:, None, None]
     std = np.asarray(vision.std, dtype=np.float32)[:, None, None]
     return np.ascontiguousarray((scaled - mean) / std, dtype=np.float32)
+
+
+def check_size(width: int, height: int) -> None:
+    """A few compressed bytes can declare an image of gigapixels, or a strip whose resize to the
+    short edge is gigabytes wide: both are refused before anything is decoded."""
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"{width} x {height} pixels: at most {MAX_PIXELS:,} an image")
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise ValueError(f"{width} x {height} pixels: the long side at most {MAX_ASPECT} times "
+                         "the short one")  # fmt: skip
 
 
 def prompt_image(pixels: np.ndarray) -> PromptImage:

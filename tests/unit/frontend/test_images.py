@@ -170,6 +170,8 @@ def test_anthropic_and_responses_images_take_the_same_path(llava_http, fake, vis
 @pytest.mark.parametrize(
     ("url", "message"),
     [
+        (data_url(png(1, 1000)), "the long side at most 64 times"),
+        (data_url(png(80, 1)), "the long side at most 64 times"),
         ("data:image/png;base64,@@@", "not valid base64"),
         (data_url(b"not an image at all"), "could not be decoded"),
         ("ftp://example.com/x.png", "must be http(s):// or data:"),
@@ -219,3 +221,14 @@ def test_precomputed_embeddings_are_refused_and_never_beside_an_image(llava_http
     alone = llava_http.post("/v1/chat/completions", json=chat_body(embeds))
     assert alone.status_code == 400 and "not accepted" in alone.json()["error"]["message"]
     assert fake.submitted == []
+
+
+def test_an_image_declaring_too_many_pixels_is_refused_before_it_is_decoded(vision) -> None:
+    """A PNG header that declares 7,000 x 7,000 pixels: refused from the header alone."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("1", (7_000, 7_000)).save(out, format="PNG")  # a few kB compressed
+    assert len(out.getvalue()) < 100_000
+    with pytest.raises(ValueError, match="at most 40,000,000 an image"):
+        images.preprocess(out.getvalue(), vision)
