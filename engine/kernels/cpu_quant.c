@@ -38,7 +38,14 @@
  *   to rounding. What llama.cpp does on every CPU (its Q8 activations). Its error is the
  *   activations' rounding, at most half a step of max|x| / 127 an element; on Gaussian data,
  *   0.5% of an output's RMS, where the weights' own rounding is 7.7% (4 bits, Q4_1's groups of
- *   32) or the same 0.5% (8 bits, Q8_0's). A row's result does not depend on the other rows
+ *   32) or the same 0.5% (8 bits, Q8_0's). So 8-bit weights take their activations in two
+ *   int8 planes, the rounding's residual quantized again 254 times finer (quantize_rows), each
+ *   plane a row of the kernel and the two rows' totals summed: 16-bit activations, as vLLM's
+ *   weight-only int8 keeps them, where one plane had doubled Q8_0's error (SmolLM2's Q8_0 file
+ *   on bench/data/gpl-3.txt: -43.1 nats against float32 with one plane, -6.4 with float
+ *   activations; llama.cpp -34.7). It costs twice the multiply-adds, not the weight reads:
+ *   the same time at one row, 1.6x at 8 rows and 1.9x at 32 (bench/kernels_quant.py, Zen 4,
+ *   2026-12-06). A row's result does not depend on the other rows
  *   (integer sums, the same float steps for each row), so a batch decodes as its rows alone.
  *   Without AVX512-VNNI (AMD Zen 2 / 3, Intel before Ice Lake, Intel's client chips) the same
  *   on 256-bit vectors, each 64-byte chunk as two 32-byte halves (columns 0-7 and 8-15, the
@@ -206,6 +213,19 @@ static void store_rows(const v16f *total, int rows, float *out, int64_t N, int64
         for (int64_t c = 0; c < ncols; c++)
             out[r * N + c] = row[c] + (bias != NULL ? bias[c] : 0.0f);
     }
+}
+
+/* The int8 path's totals into out: with two planes (8-bit weights), prepared rows 2i and
+ * 2i + 1 are row i's two parts (quantize_rows), summed here. */
+static void store_planes(const v16f *total, int rows, const int planes, float *out, int64_t N,
+                         int64_t ncols, const float *bias) {
+    v16f sums[QROW_BLOCK / 2];
+    if (planes == 1) {
+        store_rows(total, rows, out, N, ncols, bias);
+        return;
+    }
+    for (int r = 0; r < rows / 2; r++) sums[r] = total[2 * r] + total[2 * r + 1];
+    store_rows(sums, rows / 2, out, N, ncols, bias);
 }
 
 /* rows (a constant after inlining) rows of prepared x times one panel: 16 columns of out. xs:
@@ -424,7 +444,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
     v16f t[IMR];
 #define KEEP(r) memcpy(&t[r], &total##r, sizeof t[r]);
     EACH_ROW(KEEP)
-    store_rows(t, rows, out, N, ncols, bias);
+    store_planes(t, rows, bits == 8 ? 2 : 1, out, N, ncols, bias);
 #undef DECLARE
 #undef ZERO
 #undef DOT4
@@ -579,7 +599,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
         memcpy((char *)&t[r] + sizeof ta##r, &tb##r, sizeof tb##r);                     \
     }
     EACH_ROW(KEEP)
-    store_rows(t, rows, out, N, ncols, bias);
+    store_planes(t, rows, bits == 8 ? 2 : 1, out, N, ncols, bias);
 #undef DECLARE
 #undef ZERO
 #undef NIBBLES
@@ -602,7 +622,7 @@ ALWAYS_INLINE void int8_panel(const int8_t *xq, const float *dx, const float *ds
     const float *b = bias != NULL ? bias + n : NULL;
     int64_t m = 0;
     float *o = out + n;
-    for (; m + IMR <= rows; m += IMR, o += IMR * N) {
+    for (; m + IMR <= rows; m += IMR, o += IMR / (bits == 8 ? 2 : 1) * N) {
         INT8_ROWS(IMR);
         xq += IMR * K, dx += IMR * ng, dsum += IMR * ng, off += IMR * ng;
     }
@@ -710,13 +730,18 @@ ALWAYS_INLINE v16i round16(v16f v, int8_t *out) {
 
 /* Each row's groups as int8: xq = round(x / d) with d = max|x| / 127 (round half to even,
  * computed as x * (127 / max|x|)); d in dx, d sum(xq) in dsum, 128 sum(xq) in off. The same
- * float steps on either vector width: the same xq. */
+ * float steps on either vector width: the same xq. With two planes (8-bit weights), row r of x
+ * becomes prepared rows 2r, that xq, and 2r + 1, its residual x / d - xq (at most half a step)
+ * as lo = round(254 (x / d - xq)) with scale d / 254: x = d (xq + lo / 254) to within d / 508,
+ * 16 bits' worth. |lo| <= 127, as vpsignb's path needs. */
 ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, int64_t K,
-                                 int64_t G, int8_t *xq, float *dx, float *dsum, int32_t *off) {
+                                 int64_t G, const int planes, int8_t *xq, float *dx, float *dsum,
+                                 int32_t *off) {
     int64_t ng = K / G;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < ng; g++) {
-            int64_t at = r * K + g * G;
+            int64_t at = r * K + g * G, hi = planes * r * K + g * G, lo = hi + K;
+            int64_t s = planes * r * ng + g;
             v16f amax = splat16(0.0f);
             v16i nan = {};
             for (int64_t k = 0; k < G; k += QP) {
@@ -729,23 +754,37 @@ ALWAYS_INLINE void quantize_rows(const void *x, const int dtype, int64_t rows, i
              * zeros, as one of zeros does, rather than x times infinity */
             float factor = m > 0.0f ? 127.0f / m : 0.0f;
             v16f inv = splat16(factor <= 0x1.fffffep127f ? factor : 0.0f);
-            v16i sum = {};
-            for (int64_t k = 0; k < G; k += QP)
-                sum += round16(load_x16(x, at + k, dtype) * inv, xq + at + k);
-            int32_t total = isum16(sum);
-            dx[r * ng + g] = m / 127.0f;
-            dsum[r * ng + g] = dx[r * ng + g] * (float)total;
-            off[r * ng + g] = 128 * total;
+            v16i sum = {}, lo_sum = {};
+            for (int64_t k = 0; k < G; k += QP) {
+                v16f scaled = load_x16(x, at + k, dtype) * inv;
+                v16i q = round16(scaled, xq + hi + k);
+                sum += q;
+                if (planes == 2) /* scaled - q is exact: q is scaled's nearest integer */
+                    lo_sum += round16((scaled - __builtin_convertvector(q, v16f)) * 254.0f,
+                                      xq + lo + k);
+            }
+            dx[s] = m / 127.0f;
+            dsum[s] = dx[s] * (float)isum16(sum);
+            off[s] = 128 * isum16(sum);
+            if (planes == 2) {
+                dx[s + ng] = dx[s] / 254.0f;
+                dsum[s + ng] = dx[s + ng] * (float)isum16(lo_sum);
+                off[s + ng] = 128 * isum16(lo_sum);
+            }
         }
     }
 }
 
-static void prepare_int8(const void *x, int dtype, int64_t rows, int64_t K, int64_t G, int8_t *xq,
-                         float *dx, float *dsum, int32_t *off) {
-    if (dtype == F32)
-        quantize_rows(x, F32, rows, K, G, xq, dx, dsum, off);
+static void prepare_int8(const void *x, int dtype, int64_t rows, int64_t K, int64_t G, int planes,
+                         int8_t *xq, float *dx, float *dsum, int32_t *off) {
+    if (dtype == F32 && planes == 2)
+        quantize_rows(x, F32, rows, K, G, 2, xq, dx, dsum, off);
+    else if (dtype == F32)
+        quantize_rows(x, F32, rows, K, G, 1, xq, dx, dsum, off);
+    else if (planes == 2)
+        quantize_rows(x, BF16, rows, K, G, 2, xq, dx, dsum, off);
     else
-        quantize_rows(x, BF16, rows, K, G, xq, dx, dsum, off);
+        quantize_rows(x, BF16, rows, K, G, 1, xq, dx, dsum, off);
 }
 #endif
 
@@ -767,9 +806,11 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
 #if !(defined(INT8_ZMM) || defined(INT8_YMM))
     if (int8) return -1;
 #endif
+    /* 8-bit weights take int8 activations in two planes: as many prepared rows a block */
+    const int planes = int8 && bits == 8 ? 2 : 1;
     const int64_t num_panels = (N + QP - 1) / QP, elem = dtype == F32 ? 4 : 2;
-    for (int64_t m0 = 0; m0 < M; m0 += QROW_BLOCK) {
-        const int64_t rows = M - m0 < QROW_BLOCK ? M - m0 : QROW_BLOCK;
+    for (int64_t m0 = 0; m0 < M; m0 += QROW_BLOCK / planes) {
+        const int64_t rows = M - m0 < QROW_BLOCK / planes ? M - m0 : QROW_BLOCK / planes;
         const void *xb = (const char *)x + m0 * K * elem;
         float *ob = out + m0 * N;
         if (!int8) {
@@ -786,16 +827,17 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
         }
 #if defined(INT8_ZMM) || defined(INT8_YMM)
         const int64_t ng = K / G;
-        float *dx = scratch, *dsum = dx + rows * ng;
-        int32_t *off = (int32_t *)(dsum + rows * ng);
-        int8_t *xq = (int8_t *)(off + rows * ng);
-        prepare_int8(xb, dtype, rows, K, G, xq, dx, dsum, off);
+        const int64_t prepared = planes * rows;
+        float *dx = scratch, *dsum = dx + prepared * ng;
+        int32_t *off = (int32_t *)(dsum + prepared * ng);
+        int8_t *xq = (int8_t *)(off + prepared * ng);
+        prepare_int8(xb, dtype, rows, K, G, planes, xq, dx, dsum, off);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t p = 0; p < num_panels; p++) {
             if (bits == 4)
-                int8_panel(xq, dx, dsum, off, packed, 4, G, bias, ob, rows, N, K, p);
+                int8_panel(xq, dx, dsum, off, packed, 4, G, bias, ob, prepared, N, K, p);
             else
-                int8_panel(xq, dx, dsum, off, packed, 8, G, bias, ob, rows, N, K, p);
+                int8_panel(xq, dx, dsum, off, packed, 8, G, bias, ob, prepared, N, K, p);
         }
 #endif
     }

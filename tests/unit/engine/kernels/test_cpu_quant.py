@@ -61,24 +61,43 @@ def magnitudes(w: QuantizedWeight) -> torch.Tensor:
 
 
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight,
-                           bias: torch.Tensor | None) -> None:  # fmt: skip
+                           bias: torch.Tensor | None,
+                           x_size: torch.Tensor | None = None) -> None:  # fmt: skip
+    """out is x @ W.T + bias to float32 rounding; x_size: the sizes of the parts the kernel
+    summed x from, where more than |x| (the int8 path's two planes)."""
     x = x.float()
     expected = x @ w.dequantize().T + (0 if bias is None else bias)
-    bound = x.abs() @ magnitudes(w).T + (0 if bias is None else bias.abs())
+    size = x.abs() if x_size is None else x_size
+    bound = size @ magnitudes(w).T + (0 if bias is None else bias.abs())
     tolerance = 2 * (w.shape[1] + 4) * 2.0**-24 * bound
     assert out.shape == expected.shape and out.dtype == torch.float32
     excess = (out - expected).abs() - tolerance
     assert float(excess.max()) <= 0, f"off by {float((out - expected).abs().max()):.3g}"
 
 
-def quantized_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x as the int8 path sees it: per row and group, round(x * (127 / max|x|)) * max|x| / 127
-    (a true division for 127 / max|x|, as the C computes it)."""
+def quantized_activations(x: torch.Tensor, group_size: int, planes: int) -> list[torch.Tensor]:
+    """x as the int8 path sees it, one tensor a plane: per row and group, q = round(x * (127 /
+    max|x|)) (a true division for 127 / max|x|, as the C computes it) times d = max|x| / 127;
+    with two planes (8-bit weights), also round(254 (x * (127 / max|x|) - q)) times d / 254."""
     rows, k = x.shape
     grouped = x.float().reshape(rows, k // group_size, group_size)
     amax = grouped.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(grouped * inv) * (amax / 127.0)).reshape(rows, k)
+    scaled = grouped * inv
+    step = amax / 127.0
+    parts = [torch.round(scaled) * step]
+    if planes == 2:
+        parts.append(torch.round((scaled - torch.round(scaled)) * 254.0) * (step / 254.0))
+    return [part.reshape(rows, k) for part in parts]
+
+
+def assert_int8_rounding(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight,
+                         bias: torch.Tensor | None) -> None:  # fmt: skip
+    """out is the matmul of the activations the int8 path quantized (two planes for 8-bit
+    weights) to float32 rounding."""
+    parts = quantized_activations(x, w.group_size, planes=2 if w.bits == 8 else 1)
+    size = sum(part.abs() for part in parts)
+    assert_within_rounding(out, sum(parts), w, bias, x_size=size)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -116,9 +135,12 @@ def test_int8_path_is_the_matmul_of_its_quantized_activations(
         x[0, :group_size] = 0  # a group of zeros: scale 0, no division by it
         bias = torch.randn(N)
         out = cpu_quant.quant_linear(x, packed, bias, int8_activations=True)
-        assert_within_rounding(out, quantized_activations(x, group_size), w, bias)
-        # against the exact product: each activation is off by at most half a step
+        assert_int8_rounding(out, x, w, bias)
+        # against the exact product: each activation is off by at most half a step (8 bits:
+        # of the second plane's step, 254 times finer than one plane's)
         step = x.float().reshape(rows, -1, group_size).abs().amax(-1) / 127  # (rows, groups)
+        if bits == 8:
+            step = step / 254
         weight = w.dequantize()
         per_group = weight.abs().reshape(N, -1, group_size).sum(-1)  # (N, groups)
         exact = x.float() @ weight.T + bias

@@ -25,8 +25,8 @@ import torch
 
 from engine.kernels import cpu_kernels, cpu_quant
 from tests.unit.engine.kernels.test_cpu_quant import (
+    assert_int8_rounding,
     assert_within_rounding,
-    quantized_activations,
     random_weight,
 )
 
@@ -139,7 +139,7 @@ def test_int8_path_is_the_matmul_of_its_quantized_activations(
             x[0, :group_size] = 0  # a group of zeros: scale 0, no division by it
             bias = torch.randn(n) if rows % 2 else None
             out = run(build, x, packed, bias, int8=True)
-            assert_within_rounding(out, quantized_activations(x, group_size), w, bias)
+            assert_int8_rounding(out, x, w, bias)
 
 
 @pytest.mark.skipif(
@@ -174,7 +174,7 @@ def test_a_group_too_small_to_scale_counts_as_zeros(build: ctypes.CDLL) -> None:
         out = run(build, x, packed, None, int8=True)
         zeroed = x.clone()
         zeroed[1], zeroed[2, 32:64] = 0, 0
-        assert_within_rounding(out, quantized_activations(zeroed, 32), w, None)
+        assert_int8_rounding(out, zeroed, w, None)
         if cpu_kernels.library() is not None and cpu_quant.int8_available():
             assert torch.equal(out, cpu_quant.quant_linear(x, packed, int8_activations=True))
 
