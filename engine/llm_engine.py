@@ -323,7 +323,12 @@ class LLMEngine:
 
     def pull_failed(self, request_id: str, recompute: bool) -> list[TokenOutput]:
         """Free the pulled request's blocks; recompute its prompt here, or end it (aborted).
-        A prompt with images (`needs_images`) cannot be recomputed: the caller asks for none."""
+        A prompt with images (`needs_images`) cannot be recomputed: InvalidRequest, nothing
+        changed (its pixels stayed with the context worker; the caller ends it instead)."""
+        pulling = self.scheduler.pulling.get(request_id)
+        lead = pulling[0] if pulling else None
+        if recompute and lead and self.needs_images(lead.token_ids[: lead.num_prompt_tokens]):
+            raise InvalidRequest("a prompt with images cannot be recomputed without them", "prompt")
         seqs = self.scheduler.pull_failed(request_id, recompute)
         if recompute and seqs[0].beam is not None:
             seqs[0].beam.forget(seqs[0])  # its offer is recomputed with its prompt

@@ -131,3 +131,10 @@ def test_a_prompt_with_images_is_not_recomputed_without_them(llm: LLM) -> None:
     with pytest.raises(InvalidRequest, match="without them"):
         llm.engine.add_continued_request("c", prompt_with(1, [5]), GREEDY, {0: 7})
     assert not llm.engine.needs_images([5, 6, 7])
+    # a pull of one that failed: no recompute, even asked; ending it frees everything
+    assert llm.engine.add_pulled_request("p", prompt_with(1, [5]), GREEDY, {0: 7}) is not None
+    with pytest.raises(InvalidRequest, match="without them"):
+        llm.engine.pull_failed("p", recompute=True)
+    assert "p" in llm.engine.scheduler.pulling
+    assert [out.finish_reason for out in llm.engine.pull_failed("p", recompute=False)] == ["abort"]
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage.used == 0
