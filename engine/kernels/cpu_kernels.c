@@ -22,6 +22,9 @@
  * streams 25; prefetching two chunks ahead into L2 is what moved it. An int8 cache (68-byte rows)
  * reads a quarter of float32's bytes: the same 32 x 250 x 30 layers took 37 ms against 85 in
  * float32 and 58 in bfloat16, interleaved in one run on the shared 2-core AMD dev VM (2026-12-05).
+ * On AVX-512 hosts the float32 and bfloat16 caches take a 512-bit path (WIDE_ATTENTION, below):
+ * 1.1-1.6x faster than the 8-lane one on one sequence of 512-4k tokens in the four bench models'
+ * shapes (bench/decode_attention.py, which says what still bounds it).
  *
  * Layout (engine/kv_cache.py): cache[block][slot][kv_head][row], blocks `block_stride` elements
  * apart (the other layers of the pool lie between). Element types: float32, or bfloat16 read as
@@ -136,7 +139,17 @@ static inline void softmax_row(float *restrict row, int64_t lo, int64_t hi, floa
     float peak = sink != NULL ? *sink : -INFINITY, total = 0.0f;
     if (soft_cap > 0.0f)
         for (int64_t i = lo; i < hi; i++) row[i] = soft_cap * tanh_clamped(row[i] / soft_cap);
-    for (int64_t i = lo; i < hi; i++) peak = row[i] > peak ? row[i] : peak;
+    int64_t i = lo;
+#ifdef __AVX2__
+    /* eight running maxima: the scalar loop is one chain of vmaxss, 4 cycles a score (a fifth
+     * of SmolLM2's decode attention over a 2k context held in L2) */
+    __m256 peaks = _mm256_set1_ps(peak);
+    for (; i + 8 <= hi; i += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(row + i));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, peaks);
+    for (int l = 0; l < 8; l++) peak = lanes[l] > peak ? lanes[l] : peak;
+#endif
+    for (; i < hi; i++) peak = row[i] > peak ? row[i] : peak;
     for (int64_t i = lo; i < hi; i++) total += (row[i] = exp_clamped(row[i] - peak));
     if (sink != NULL) total += exp_clamped(*sink - peak);
     for (int64_t i = lo; i < hi; i++) row[i] /= total;
@@ -208,6 +221,116 @@ static inline __attribute__((always_inline)) void weigh_chunk(
         default: CALL(3); break;                                                               \
     }
 
+/* The 512-bit path (AVX-512 hosts; float32 and bfloat16 caches, d a multiple of 32): the same
+ * chunks and sums on 16 float32 lanes. The 8-lane path above is bound by its instructions, not
+ * by memory, on such a host: widening each bfloat16 (two instructions for 8 values), 8-lane
+ * FMAs and the lane sums ran SmolLM2's shape at 13 GB/s with the cache in L2. Here a bfloat16
+ * row is widened 32 values at a time by one vpunpcklwd and one vpunpckhwd against zero, which
+ * leave the values in an order of their own (wide_element): q is put into that order once a
+ * sequence (a dot product does not care), and the output accumulated in it and put back at the
+ * end. The products and sums are float32 as on the 8-lane path, in another order. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define WIDE_ATTENTION 1
+
+/* The element of a 32-value unit that load32 puts in lane l (0..15: its first vector's lanes,
+ * 16..31: its second's): the float32 rows' own order; for bfloat16, vpunpck{l,h}wd take each
+ * 128-bit lane's low and high four values. */
+static inline int64_t wide_element(int64_t l, int dtype) {
+    if (dtype == F32) return l;
+    int64_t lane = l % 16;
+    return 8 * (lane / 4) + 4 * (l / 16) + lane % 4;
+}
+
+/* The 32 values of a row from element `at`, as float32 in wide_element's order. */
+static inline __attribute__((always_inline)) void load32(const void *p, int64_t at,
+                                                         const int dtype, __m512 *lo,
+                                                         __m512 *hi) {
+    if (dtype == F32) {
+        *lo = _mm512_loadu_ps((const float *)p + at);
+        *hi = _mm512_loadu_ps((const float *)p + at + 16);
+    } else {
+        __m512i v = _mm512_loadu_si512((const uint16_t *)p + at), zero = _mm512_setzero_si512();
+        *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+        *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+    }
+}
+
+/* Lane j of the result: the sum of the 16 lanes of v[j], pairing halves as sum_lanes8 does (24
+ * vector operations for the 8 sums). */
+static inline __attribute__((always_inline)) v8f sum_lanes16(const __m512 v[8]) {
+    __m512 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* [key 2i: 8 partial sums | key 2i+1: 8] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++) /* [4 keys, a 128-bit lane each: 4 partial sums] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+    /* lane L: [key L: 2 partial sums, key L + 4: 2], then each pair summed */
+    __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xee));
+    w = _mm512_add_ps(w, _mm512_permute_ps(w, 0xb1));
+    const __m512i keys = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return (v8f)_mm512_castps512_ps256(_mm512_permutexvar_ps(keys, w));
+}
+
+/* score_chunk on 16 lanes: q in wide_element's order. */
+static inline __attribute__((always_inline)) void score_chunk_wide(
+    const float *restrict q, const void *k_cache, const int dtype, const int64_t *rows,
+    int64_t at, int64_t h0, const int hb, const int64_t d, float scale, float *restrict scores,
+    int64_t stride) {
+    __m512 part[HEADS_AT_ONCE][KEYS];
+    for (int g = 0; g < hb; g++)
+        for (int j = 0; j < KEYS; j++) part[g][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32)
+        for (int j = 0; j < KEYS; j++) {
+            __m512 lo, hi;
+            load32(k_cache, rows[j] + at + c, dtype, &lo, &hi);
+            for (int g = 0; g < hb; g++) {
+                const float *qg = q + (h0 + g) * d + c;
+                part[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), lo, part[g][j]);
+                part[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), hi, part[g][j]);
+            }
+        }
+    for (int g = 0; g < hb; g++) {
+        v8f s = sum_lanes16(part[g]) * splat(scale);
+        memcpy(scores + (h0 + g) * stride, &s, sizeof s);
+    }
+}
+
+/* weigh_chunk on 16 lanes: out in wide_element's order. */
+static inline __attribute__((always_inline)) void weigh_chunk_wide(
+    const float *restrict p, int64_t stride, const void *v_cache, const int dtype,
+    const int64_t *rows, int64_t m, int64_t at, int64_t h0, const int hb, const int64_t d,
+    float *restrict out) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+        const int64_t width = d - c0 < 64 ? d - c0 : 64;
+        __m512 acc[HEADS_AT_ONCE][4];
+        for (int g = 0; g < hb; g++)
+            for (int64_t c = 0; c < width; c += 16)
+                acc[g][c / 16] = _mm512_loadu_ps(out + (h0 + g) * d + c0 + c);
+        for (int64_t j = 0; j < m; j++) {
+            __m512 pj[HEADS_AT_ONCE];
+            for (int g = 0; g < hb; g++) pj[g] = _mm512_set1_ps(p[(h0 + g) * stride + j]);
+            for (int64_t c = 0; c < width; c += 32) {
+                __m512 lo, hi;
+                load32(v_cache, rows[j] + at + c0 + c, dtype, &lo, &hi);
+                for (int g = 0; g < hb; g++) {
+                    acc[g][c / 16] = _mm512_fmadd_ps(pj[g], lo, acc[g][c / 16]);
+                    acc[g][c / 16 + 1] = _mm512_fmadd_ps(pj[g], hi, acc[g][c / 16 + 1]);
+                }
+            }
+        }
+        for (int g = 0; g < hb; g++)
+            for (int64_t c = 0; c < width; c += 16)
+                _mm512_storeu_ps(out + (h0 + g) * d + c0 + c, acc[g][c / 16]);
+    }
+}
+#define SCORE_CHUNK(wide, ...) ((wide) ? score_chunk_wide(__VA_ARGS__) : score_chunk(__VA_ARGS__))
+#define WEIGH_CHUNK(wide, ...) ((wide) ? weigh_chunk_wide(__VA_ARGS__) : weigh_chunk(__VA_ARGS__))
+#else
+#define SCORE_CHUNK(wide, ...) score_chunk(__VA_ARGS__)
+#define WEIGH_CHUNK(wide, ...) weigh_chunk(__VA_ARGS__)
+#endif
+
 /* One sequence, every head: q, out (num_heads, d). Its tokens are taken KEYS at a time, and
  * all heads work on a chunk while its rows (every KV head of a token lies together) are in L1:
  * the cache streams through once, in order within each block. scores: num_heads rows of
@@ -218,7 +341,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
     const int32_t *table, int64_t len, float *restrict out, int64_t num_heads,
     int64_t num_kv_heads, const int64_t d, int64_t block_size, int64_t block_stride,
     float scale, int64_t window, float soft_cap, const float *sinks, float *restrict scores,
-    int64_t *restrict rows) {
+    int64_t *restrict rows, const int wide) {
     int64_t start = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - start, stride = (n + KEYS - 1) / KEYS * KEYS;
     int64_t group = num_heads / num_kv_heads, pitch = row_pitch(d, dtype);
@@ -234,7 +357,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int64_t h = 0; h < num_heads;) {
             int64_t at = (h / group) * pitch, left = (h / group + 1) * group - h;
 #define SCORE(hb)                                                                              \
-    score_chunk(q, k_cache, dtype, rows + i0, at, h, hb, d, scale, scores + i0, stride);       \
+    SCORE_CHUNK(wide, q, k_cache, dtype, rows + i0, at, h, hb, d, scale, scores + i0, stride); \
     h += hb
             FOR_HEADS_AT_ONCE(left, SCORE)
 #undef SCORE
@@ -250,7 +373,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int64_t h = 0; h < num_heads;) {
             int64_t at = (h / group) * pitch, left = (h / group + 1) * group - h;
 #define WEIGH(hb)                                                                              \
-    weigh_chunk(scores + i0, stride, v_cache, dtype, rows + i0, m, at, h, hb, d, out);         \
+    WEIGH_CHUNK(wide, scores + i0, stride, v_cache, dtype, rows + i0, m, at, h, hb, d, out);   \
     h += hb
             FOR_HEADS_AT_ONCE(left, WEIGH)
 #undef WEIGH
@@ -258,33 +381,74 @@ static inline __attribute__((always_inline)) void attend_sequence(
     }
 }
 
-#define ATTEND(D, DTYPE)                                                                       \
-    attend_sequence(q, k_cache, v_cache, DTYPE, table, len, out, num_heads, num_kv_heads, D,   \
-                    block_size, block_stride, scale, window, soft_cap, sinks, scores, rows)
+#define ATTEND(D, DTYPE, WIDE, Q, OUT)                                                         \
+    attend_sequence(Q, k_cache, v_cache, DTYPE, table, len, OUT, num_heads, num_kv_heads, D,   \
+                    block_size, block_stride, scale, window, soft_cap, sinks, scores, rows, WIDE)
 
+#ifdef WIDE_ATTENTION
+/* The 512-bit path's sequence: q put into wide_element's order in `wide` (2 * num_heads * d
+ * floats: q's copy, then the output's), the output put back from it. */
+static void attend_sequence_wide(const float *q, const void *k_cache, const void *v_cache,
+                                 int dtype, const int32_t *table, int64_t len, float *out,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                                 int64_t block_size, int64_t block_stride, float scale,
+                                 int64_t window, float soft_cap, const float *sinks,
+                                 float *scores, int64_t *rows, float *wide) {
+    float *qw = wide, *outw = wide + num_heads * d;
+    for (int64_t u = 0; u < num_heads * d; u += 32)
+        for (int64_t l = 0; l < 32; l++) qw[u + l] = q[u + wide_element(l, dtype)];
+    if (dtype == F32) {
+        switch (d) {
+            case 64: ATTEND(64, F32, 1, qw, outw); break;
+            case 128: ATTEND(128, F32, 1, qw, outw); break;
+            default: ATTEND(d, F32, 1, qw, outw);
+        }
+    } else {
+        switch (d) {
+            case 64: ATTEND(64, BF16, 1, qw, outw); break;
+            case 128: ATTEND(128, BF16, 1, qw, outw); break;
+            default: ATTEND(d, BF16, 1, qw, outw);
+        }
+    }
+    for (int64_t u = 0; u < num_heads * d; u += 32)
+        for (int64_t l = 0; l < 32; l++) out[u + wide_element(l, dtype)] = outw[u + l];
+}
+#endif
+
+/* wide: 2 * num_heads * d floats of scratch for the 512-bit path. */
 static void attend_sequence_any(const float *q, const void *k_cache, const void *v_cache,
                                 int dtype, const int32_t *table, int64_t len, float *out,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t d,
                                 int64_t block_size, int64_t block_stride, float scale,
                                 int64_t window, float soft_cap, const float *sinks, float *scores,
-                                int64_t *rows) {
+                                int64_t *rows, float *wide) {
+#ifdef WIDE_ATTENTION
+    if (dtype != I8 && d % 32 == 0) {
+        attend_sequence_wide(q, k_cache, v_cache, dtype, table, len, out, num_heads, num_kv_heads,
+                             d, block_size, block_stride, scale, window, soft_cap, sinks, scores,
+                             rows, wide);
+        return;
+    }
+#else
+    (void)wide;
+#endif
     if (dtype == F32) {
         switch (d) {
-            case 64: ATTEND(64, F32); break;
-            case 128: ATTEND(128, F32); break;
-            default: ATTEND(d, F32);
+            case 64: ATTEND(64, F32, 0, q, out); break;
+            case 128: ATTEND(128, F32, 0, q, out); break;
+            default: ATTEND(d, F32, 0, q, out);
         }
     } else if (dtype == BF16) {
         switch (d) {
-            case 64: ATTEND(64, BF16); break;
-            case 128: ATTEND(128, BF16); break;
-            default: ATTEND(d, BF16);
+            case 64: ATTEND(64, BF16, 0, q, out); break;
+            case 128: ATTEND(128, BF16, 0, q, out); break;
+            default: ATTEND(d, BF16, 0, q, out);
         }
     } else {
         switch (d) {
-            case 64: ATTEND(64, I8); break;
-            case 128: ATTEND(128, I8); break;
-            default: ATTEND(d, I8);
+            case 64: ATTEND(64, I8, 0, q, out); break;
+            case 128: ATTEND(128, I8, 0, q, out); break;
+            default: ATTEND(d, I8, 0, q, out);
         }
     }
 }
@@ -304,8 +468,9 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* per thread: every head's scores, then the rows' offsets */
-        float *scores = malloc(sizeof(float) * num_heads * stride + sizeof(int64_t) * stride);
+        /* per thread: every head's scores, the 512-bit path's q and output, the rows' offsets */
+        int64_t floats = num_heads * stride + 2 * num_heads * d;
+        float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * stride);
         if (scores == NULL) {
             failed = 1;
         } else {
@@ -315,7 +480,8 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
                                     block_tables + b * max_blocks, context_lens[b],
                                     out + b * num_heads * d, num_heads, num_kv_heads, d,
                                     block_size, block_stride, scale, window, soft_cap, sinks,
-                                    scores, (int64_t *)(scores + num_heads * stride));
+                                    scores, (int64_t *)(scores + floats),
+                                    scores + num_heads * stride);
             free(scores);
         }
     }

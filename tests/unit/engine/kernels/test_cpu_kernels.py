@@ -62,6 +62,30 @@ def test_decode_matches_reference(
         assert_close(cpu_kernels.paged_decode_attention(*args, window, cap), expected)
 
 
+# (num_heads, num_kv_heads, head_dim): SmolLM2's, Qwen3's and Qwen2.5-0.5B's groups (3, 2, 7
+# query heads a KV head: 3 at once, then the rest), d = 96 (three 32-value units, the generic
+# copy) and d = 40 (not a multiple of 32: the 8-lane path on every host)
+MIXED_SHAPES = [(9, 3, 64), (16, 8, 128), (14, 2, 64), (4, 2, 96), (6, 3, 40)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", MIXED_SHAPES)
+def test_float32_queries_over_a_bfloat16_cache_match_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """A float32 model's decode over a bfloat16 cache (a GGUF model's default): on AVX-512 the
+    512-bit path, whose widened rows and q come in another lane order; float32's tolerance,
+    since only the order of the float32 sums differs."""
+    torch.manual_seed(2)
+    lens = [300, 1, 9, 64, 129]
+    cache = cpu_cache(lens, num_kv_heads, head_dim, 16, torch.bfloat16)
+    q = 4 * torch.randn(len(lens), num_heads, head_dim)
+    args = (q, cache.k, cache.v, cache.block_tables, cache.context_lens, head_dim**-0.5)
+    sinks = torch.randn(num_heads)
+    for window, cap, sink in [(None, None, None), (50, None, None), (None, 3.0, sinks)]:
+        expected = paged_decode_attention_ref(*args, window, cap, sink)
+        assert_close(cpu_kernels.paged_decode_attention(*args, window, cap, sink), expected)
+
+
 @pytest.mark.parametrize("dtype, num_heads, num_kv_heads, head_dim, block_size", SHAPES)
 def test_prefill_matches_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
