@@ -614,11 +614,12 @@ static inline __attribute__((always_inline)) void prefill_sequence(
 /* cpu_prefill_pairs.c: the bfloat16 cache's dot-product path (its comment says when and why). */
 int prefill_pairs_available(void);
 int64_t prefill_pairs_scratch(int64_t n, int64_t d);
+int prefill_amx_ready(void); /* its AMX tiles: the CPU has them, Linux lent them, not turned off */
 void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                    const int32_t *table, int64_t total, int64_t queries, float *out,
                    int64_t num_heads, int64_t num_kv_heads, int64_t kvh, int64_t d,
                    int64_t block_size, int64_t block_stride, float scale, int64_t window,
-                   float soft_cap, const float *sinks, void *scratch);
+                   float soft_cap, const float *sinks, void *scratch, int amx);
 
 /* Whether all n float32 values are bfloat16s (their low halves zero): a bfloat16 model's. */
 static int all_bf16(const float *x, int64_t n) {
@@ -640,7 +641,7 @@ static int paged_prefill_pairs(const float *q, const void *k_cache, const void *
                                float scale, int64_t window, float soft_cap, const float *sinks,
                                int threads) {
     int64_t bytes = prefill_pairs_scratch(longest_context(context_lens, batch), d);
-    int failed = 0;
+    int failed = 0, amx = prefill_amx_ready();
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         void *scratch = malloc(bytes);
@@ -655,7 +656,8 @@ static int paged_prefill_pairs(const float *q, const void *k_cache, const void *
                 prefill_pairs(q + start * num_heads * d, k_cache, v_cache,
                               block_tables + b * max_blocks, context_lens[b], queries,
                               out + start * num_heads * d, num_heads, num_kv_heads, kvh, d,
-                              block_size, block_stride, scale, window, soft_cap, sinks, scratch);
+                              block_size, block_stride, scale, window, soft_cap, sinks, scratch,
+                              amx);
             }
             free(scratch);
         }

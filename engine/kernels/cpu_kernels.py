@@ -82,6 +82,8 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
     "prefill_pairs_available": (_int, []),
+    "prefill_amx_ready": (_int, []),
+    "prefill_amx_use": (None, [_int]),
     "moe_experts": (
         _int,
         [*[_p] * 8, *[_i64] * 5, _int, _int, _int, _f32, _f32, _i64, _int],
@@ -336,6 +338,21 @@ def prefill_pairs_available() -> bool:
     bfloat16 cache when every query value is a bfloat16 and head_dim a multiple of 16."""
     lib = library()
     return lib is not None and bool(lib.prefill_pairs_available())
+
+
+def prefill_amx_ready() -> bool:
+    """Whether that path multiplies in AMX tiles (cpu_prefill_pairs.c): the CPU has AMX-BF16,
+    Linux lent this process the tiles, and use_prefill_amx(False) did not turn them off."""
+    lib = library()
+    return lib is not None and bool(lib.prefill_amx_ready())
+
+
+def use_prefill_amx(on: bool) -> None:
+    """Let paged_prefill's bfloat16 path use AMX tiles where it can (the default), or keep it
+    on AVX512-BF16's dot products (tests and bench/prefill_attention.py compare the two)."""
+    lib = library()
+    if lib is not None:
+        lib.prefill_amx_use(int(on))
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The bfloat16 dot-product path of the CPU prefill (engine/kernels/cpu_prefill_pairs.c) against
 the torch reference: prompts long enough to cross several query and key blocks after a cached
 prefix, GQA groups of several sizes, head sizes that split the output tiles unevenly, windows,
-soft caps and sinks; that float32 queries keep the float32 tiles; threads."""
+soft caps and sinks; that float32 queries keep the float32 tiles; threads. Where the CPU has
+AMX-BF16 each test runs twice: on the tiles and on AVX512-BF16's dot products."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ def _cpu_flags() -> set[str]:
 
 
 HAS_BF16 = "avx512_bf16" in _cpu_flags()
+HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+
+
+@pytest.fixture(
+    params=["dot_products", pytest.param("amx", marks=pytest.mark.skipif(
+        not HAS_AMX, reason="the host has no AMX-BF16"))]
+)  # fmt: skip
+def path(request: pytest.FixtureRequest):
+    """The bfloat16 path's two ways of multiplying: AVX512-BF16's dot products, AMX tiles."""
+    cpu_kernels.use_prefill_amx(request.param == "amx")
+    try:
+        yield request.param
+    finally:
+        cpu_kernels.use_prefill_amx(True)
 
 
 def prefill_args(
@@ -44,12 +59,18 @@ def test_the_pairs_path_is_built_where_the_cpu_has_avx512_bf16() -> None:
     assert cpu_kernels.prefill_pairs_available()
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="the host has no AMX-BF16")
+def test_the_tiles_are_used_where_the_cpu_has_amx() -> None:
+    """The kernels were built with AMX and Linux lent this process the tiles."""
+    assert cpu_kernels.prefill_amx_ready()
+
+
 GQA_SHAPES = [(14, 2, 64), (8, 1, 128), (6, 3, 80), (4, 4, 32)]  # (heads, KV heads, head_dim)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", GQA_SHAPES)
 def test_long_prompts_after_a_cached_prefix_match_the_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    num_heads: int, num_kv_heads: int, head_dim: int, path: str
 ) -> None:
     """Chunks of several query blocks (48 rows) over several key blocks (256 keys): a fresh
     prompt, a chunk after a long prefix, one token, an empty chunk, a prompt shorter than a
@@ -62,7 +83,7 @@ def test_long_prompts_after_a_cached_prefix_match_the_reference(
 
 
 @pytest.mark.parametrize("sink", ["ordinary", "very_large", "very_negative"])
-def test_sinks_over_long_prompts_match_the_reference(sink: str) -> None:
+def test_sinks_over_long_prompts_match_the_reference(sink: str, path: str) -> None:
     """A sink starts each row's running maximum and sum: one ordinary, one above every score
     (the output ~0), one below every score (as no sink)."""
     torch.manual_seed(12)
@@ -88,7 +109,7 @@ def test_float32_queries_over_a_bfloat16_cache_keep_float32_precision() -> None:
         assert_close(cpu_kernels.paged_prefill_attention(*args, window, cap), expected)
 
 
-def test_two_threads_give_one_threads_output() -> None:
+def test_two_threads_give_one_threads_output(path: str) -> None:
     """A task per (sequence, KV head), each row summed by one thread in one order."""
     torch.manual_seed(14)
     args = prefill_args([0, 200, 30], [260, 90, 7], 12, 4, 64)
