@@ -517,6 +517,11 @@ def _build() -> Path:
     return target
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 in AMX tiles (oneDNN's matmuls do, where it has)."""
+    return b" amx_bf16" in _cpu_flags()
+
+
 def _cpu_flags() -> bytes:
     """What -march=native compiles for: the kernel built on one CPU may not run on another."""
     try:

@@ -34,6 +34,13 @@ from engine.models.moe import SparseMoE
 # Beside oneDNN's bfloat16 layers, without the kernels' bfloat16 pairs: the batch size up to
 # which the C step (panels widened to float32) is faster than oneDNN's dot products (linear.py).
 C_DECODE_MAX_ROWS_BESIDE_ONEDNN = 4
+# Beside oneDNN's bfloat16 layers on a CPU with AMX, where oneDNN multiplies in tiles and the
+# C step's pairs (AVX512-BF16 dot products, a third of the Zen 4's rate on the Xeon host) lose
+# once the batch makes the step compute-bound: the C step up to ROWS_X_HIDDEN / hidden rows. The
+# Xeon host, bfloat16, one thread, the C step against oneDNN (bench/decode_batch.py):
+# SmolLM2 (hidden 576) at 8 / 16 / 20 / 32 rows 35 / 60 / 70 / 108 ms against 55 / 66 / 69 / 86;
+# Qwen3-0.6B (1024) at 8 / 10 / 12 / 32 rows 141 / 172 / 192 / 441 against 160 / 173 / 179 / 277.
+C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX = 10240
 
 
 @dataclass(slots=True)
@@ -87,13 +94,19 @@ def _mlp_runs(mlp: object, config: ModelConfig) -> bool:
 def use_c_decode_step(model: CausalLM) -> bool:
     """Run decode-only batches as one C call where the C pass computes what `forward` would:
     every layer's weights in panels or quantized (cpu_quant.c), or a copy beside oneDNN's (in
-    bfloat16 pairs: any batch; in panels: small batches only), the C norms and rotary on."""
+    bfloat16 pairs: any batch, or small ones where oneDNN has AMX; in panels: small batches
+    only), the C norms and rotary on."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     copies = [m.decode_copy[0] for m in layers if m.decode_copy is not None]
     every_layer = len(copies) == len(layers)
     model.c_decode_pairs = every_layer and all(t.dim() == 4 for t in copies)
-    if all(m.layout in ("panels", "quantized") for m in layers) or model.c_decode_pairs:
+    if all(m.layout in ("panels", "quantized") for m in layers):
         max_rows = 1 << 30
+    elif model.c_decode_pairs:  # mixtures keep the C step (cpu_moe.c; not timed against AMX)
+        dense = not any(isinstance(m, SparseMoE) for m in model.modules())
+        hidden = model.config.hidden_size
+        amx = dense and cpu_kernels.cpu_has_amx_bf16()
+        max_rows = max(4, C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX // hidden) if amx else 1 << 30
     elif every_layer and all(t.dim() == 3 for t in copies):
         max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN
     else:  # no copies, or pairs and panels mixed (a layer with an odd input size)

@@ -158,6 +158,28 @@ def test_the_c_step_computes_the_python_forward(
         torch.testing.assert_close(c_pool.float(), py_pool.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.skipif(
+    not (ONEDNN_BF16 and cpu_kernels.bf16_pairs_available()), reason="no bfloat16 pairs here"
+)
+@pytest.mark.parametrize("amx", [False, True])
+def test_beside_onednns_amx_tiles_the_c_step_takes_small_batches_only(
+    amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where oneDNN multiplies in AMX tiles, a batch past ROWS_X_HIDDEN / hidden rows (at least
+    4) runs layer by layer through oneDNN; elsewhere the C step's pairs take every batch. Panels
+    (float32) take every batch either way."""
+    from engine.models import cpu_decode
+
+    monkeypatch.setattr(cpu_kernels, "cpu_has_amx_bf16", lambda: amx)
+    model = random_model("llama", tmp_path, torch.bfloat16, "onednn")
+    assert use_c_decode_step(model) and model.c_decode_pairs
+    hidden = model.config.hidden_size
+    limit = max(4, cpu_decode.C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX // hidden)
+    assert model.c_decode_max_rows == (limit if amx else 1 << 30)
+    floats = random_model("llama", tmp_path, torch.float32, "panels")
+    assert use_c_decode_step(floats) and floats.c_decode_max_rows == 1 << 30
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHES)
 def test_the_c_step_reads_each_expert_once_per_layer(arch: str, tmp_path: Path) -> None:
     """cpu_moe.c's expert_passes over the C step equals the distinct experts the Python forward's
