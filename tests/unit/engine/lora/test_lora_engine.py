@@ -87,14 +87,17 @@ def test_each_adapter_matches_transformers_peft(
     engine: LLMEngine, adapters: dict[str, Path], prompts: list[list[int]], tiny_model_path: Path
 ) -> None:
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    base_tokens, _ = hf_greedy(base, prompts[0])
+    base_tokens, base_logprobs = hf_greedy(base, prompts[0])
     for name, path in adapters.items():
         reference = peft_model(tiny_model_path, path)
         tokens, logprobs = hf_greedy(reference, prompts[0])
         got = run(engine, [(f"one-{name}", prompts[0], name)])[f"one-{name}"]
         assert [t for t, _ in got] == tokens, name
         assert [lp for _, lp in got] == pytest.approx(logprobs, abs=2e-4), name
-        assert tokens != base_tokens, f"{name} leaves the output unchanged: not a real check"
+        # not a real check unless the adapter moves the output: its tokens, or (where the host's
+        # float32 arithmetic keeps the greedy tokens) their log-probs far past the tolerance
+        moved = tokens != base_tokens or logprobs != pytest.approx(base_logprobs, abs=2e-2)
+        assert moved, f"{name} leaves the output unchanged: not a real check"
 
 
 def test_mixed_batch_gives_each_adapter_its_own_output(
