@@ -193,6 +193,8 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+static void release_tiles(void) { _tile_release(); }
+
 /* score_tile for 16 rows: s[t][0 .. 32) = scale * q_t . k_j, tiles 0-1 the scores, 2 the
  * queries, 3-4 the two 16-key blocks of kp. */
 static inline __attribute__((always_inline)) void score_tile_amx(
@@ -259,13 +261,12 @@ static inline __attribute__((always_inline)) void weigh_rows_amx(
         if (w > 3) _tile_stored(3, oc + 48, d * 4);
     }
 }
-#define AMX_BUILT 1
 #else
-#define AMX_BUILT 0
 enum { TR = 16 };
 void prefill_amx_use(int on) { (void)on; }
 int prefill_amx_ready(void) { return 0; }
 static void configure_tiles(void) {}
+static void release_tiles(void) {}
 static inline void score_tile_amx(const uint16_t *qb, const uint16_t *kp, int64_t d, float scale,
                                   float *s) { abort(); }
 static inline void weigh_rows_amx(const uint16_t *pb, const uint16_t *vp, int64_t d, int64_t p0,
@@ -433,9 +434,7 @@ void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_ca
         case 128: PAIRS(128); break;
         default: PAIRS(d);
     }
-#if AMX_BUILT
-    if (amx) _tile_release();
-#endif
+    if (amx) release_tiles();
 }
 #undef PAIRS
 #else
