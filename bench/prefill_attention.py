@@ -8,8 +8,8 @@ shared). Three kinds:
 - `amx`: a bfloat16 model's queries on the bfloat16 path (cpu_prefill_pairs.c) with AMX tiles,
   where the CPU has AMX-BF16 (else the same as `bf16`);
 - `bf16`: the same path on AVX512-BF16's dot products (use_prefill_amx(False));
-- `f32`: the same queries plus a float32 nudge, which the pairs path refuses (it would round
-  them), so the float32 tiles (prefill_sequence) run: the kernel as it was before the pairs path.
+- `f32`: the same queries in float32 plus a nudge (a float32 model's), which the float32 tiles
+  (prefill_sequence) take: the kernel as it was before the pairs path.
 
 GFLOPS counts the causal multiply-adds (2 x d for q.k and for p.v per visible key). Writes JSON
 (default bench/results/prefill_attention.json).
@@ -45,9 +45,9 @@ def time_prefill(tokens: int, kind: str, repeats: int, shape_name: str) -> dict[
     k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
     tables = torch.randperm(blocks, generator=gen).to(torch.int32)[None]
-    q = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16).float()
-    if kind == "f32":
-        q = q + 1e-6 * torch.randn(q.shape, generator=gen)  # not a bfloat16: the float32 tiles
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
+    if kind == "f32":  # a float32 model's queries: the float32 tiles
+        q = q.float() + 1e-6 * torch.randn(q.shape, generator=gen)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     lens = torch.tensor([tokens], dtype=torch.int32)
     args = (q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5)

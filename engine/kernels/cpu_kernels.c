@@ -501,9 +501,9 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int d
  * path. The same prompts with Gemma 2's soft cap of 50 (and its window of 4096, or none):
  * 0.19-0.21 s, where a decode query per token (how these ran before the tiles took them) took
  * 0.66 (libm's tanhf, a call per score); with a window of 64, 0.10 against 0.14, and 0.12
- * against 0.38 with the cap too. Where the cache is bfloat16 and the queries are bfloat16 values
- * (a bfloat16 model's), paged_prefill hands the work to cpu_prefill_pairs.c instead (AVX512-BF16
- * hosts): these tiles stay for float32 and int8 caches, float32 queries, and older CPUs. */
+ * against 0.38 with the cap too. A bfloat16 model's queries over a bfloat16 cache go to
+ * paged_prefill_bf16 and cpu_prefill_pairs.c instead (AVX512-BF16 hosts): these tiles stay for
+ * float32 and int8 caches, float32 queries, and older CPUs. */
 #ifdef __AVX512VL__
 enum { TILE = 12 }; /* 24 accumulators in AVX-512's 32 registers */
 #else
@@ -607,44 +607,45 @@ static inline __attribute__((always_inline)) void prefill_sequence(
     }
 }
 
-/* q, out: (num_tokens, num_heads, d) float32, d a multiple of 8, the sequences' new tokens back
- * to back (cu_seqlens_q: (batch + 1,) int32); context_lens: (batch,) int32, each sequence's
- * cached prefix plus its new tokens. window, soft_cap, sinks: as paged_decode's. Returns 0, or
- * -1 when scratch memory could not be had. */
 /* cpu_prefill_pairs.c: the bfloat16 cache's dot-product path (its comment says when and why). */
 int prefill_pairs_available(void);
 int64_t prefill_pairs_scratch(int64_t n, int64_t d);
 int prefill_amx_ready(void); /* its AMX tiles: the CPU has them, Linux lent them, not turned off */
-void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int64_t total, int64_t queries, float *out,
+void prefill_pairs(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int64_t total, int64_t queries, uint16_t *out,
                    int64_t num_heads, int64_t num_kv_heads, int64_t kvh, int64_t d,
                    int64_t block_size, int64_t block_stride, float scale, int64_t window,
                    float soft_cap, const float *sinks, void *scratch, int amx);
 
-/* Whether all n float32 values are bfloat16s (their low halves zero): a bfloat16 model's. */
-static int all_bf16(const float *x, int64_t n) {
-    uint32_t low = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, x + i, sizeof bits);
-        low |= bits & 0xffffu;
+/* This thread's scratch of at least `bytes`, kept between calls (NULL: no memory). A malloc of
+ * megabytes is a fresh mmap whose pages the kernel zeroes at first touch: on every layer's
+ * call, 7% of a 4k-token prefill's attention. Grows to the longest prompt's need, then stays. */
+static void *thread_scratch(int64_t bytes) {
+    static __thread void *held = NULL;
+    static __thread int64_t held_bytes = 0;
+    if (bytes > held_bytes) {
+        free(held);
+        held = malloc(bytes);
+        held_bytes = held != NULL ? bytes : 0;
     }
-    return low == 0;
+    return held;
 }
 
-/* paged_prefill by cpu_prefill_pairs.c, a task per (sequence, KV head). */
-static int paged_prefill_pairs(const float *q, const void *k_cache, const void *v_cache,
-                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
-                               const int32_t *context_lens, float *out, int64_t batch,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t d,
-                               int64_t block_size, int64_t block_stride, int64_t max_blocks,
-                               float scale, int64_t window, float soft_cap, const float *sinks,
-                               int threads) {
+/* paged_prefill for a bfloat16 model's queries over a bfloat16 cache, by cpu_prefill_pairs.c (a
+ * task per (sequence, KV head)): q, out (num_tokens, num_heads, d) bfloat16, d a multiple of
+ * 16; the rest as paged_prefill's. Only where prefill_pairs_available(). */
+int paged_prefill_bf16(const uint16_t *q, const void *k_cache, const void *v_cache,
+                       const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                       const int32_t *context_lens, uint16_t *out, int64_t batch,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t block_size,
+                       int64_t block_stride, int64_t max_blocks, float scale, int64_t window,
+                       float soft_cap, const float *sinks, int threads) {
+    if (d % 16 != 0 || !prefill_pairs_available()) abort(); /* cpu_kernels.py checks both */
     int64_t bytes = prefill_pairs_scratch(longest_context(context_lens, batch), d);
     int failed = 0, amx = prefill_amx_ready();
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        void *scratch = malloc(bytes);
+        void *scratch = thread_scratch(bytes);
         if (scratch == NULL) {
             failed = 1;
         } else {
@@ -659,12 +660,15 @@ static int paged_prefill_pairs(const float *q, const void *k_cache, const void *
                               block_size, block_stride, scale, window, soft_cap, sinks, scratch,
                               amx);
             }
-            free(scratch);
         }
     }
     return failed ? -1 : 0;
 }
 
+/* q, out: (num_tokens, num_heads, d) float32, d a multiple of 8, the sequences' new tokens back
+ * to back (cu_seqlens_q: (batch + 1,) int32); context_lens: (batch,) int32, each sequence's
+ * cached prefix plus its new tokens. window, soft_cap, sinks: as paged_decode's. Returns 0, or
+ * -1 when scratch memory could not be had. */
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int dtype,
                   const int32_t *block_tables, const int32_t *cu_seqlens_q,
                   const int32_t *context_lens, float *out, int64_t batch, int64_t num_heads,
@@ -672,18 +676,11 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
                   int64_t max_blocks, float scale, int64_t window, float soft_cap,
                   const float *sinks, int threads) {
     if (d % 8 != 0) abort(); /* cpu_kernels.supports() sends such caches to the torch path */
-    if (dtype == BF16 && d % 16 == 0 && prefill_pairs_available() &&
-        all_bf16(q + (int64_t)cu_seqlens_q[0] * num_heads * d,
-                 (int64_t)(cu_seqlens_q[batch] - cu_seqlens_q[0]) * num_heads * d))
-        return paged_prefill_pairs(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                   context_lens, out, batch, num_heads, num_kv_heads, d,
-                                   block_size, block_stride, max_blocks, scale, window, soft_cap,
-                                   sinks, threads);
     int64_t padded = (longest_context(context_lens, batch) + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * padded * (2 * d + TILE));
+        float *scratch = thread_scratch(sizeof(float) * padded * (2 * d + TILE));
         if (scratch == NULL) {
             failed = 1;
         } else {
@@ -696,7 +693,6 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int 
                            out + start * num_heads * d, num_heads, num_kv_heads, d, block_size,
                            block_stride, scale, window, soft_cap, sinks, scratch);
             }
-            free(scratch);
         }
     }
     return failed ? -1 : 0;
@@ -742,6 +738,16 @@ void store_kv(const void *k, const void *v, int src_dtype, void *k_cache, void *
     }
 }
 
+/* cpu_rows_bf16.c: the bfloat16 rows of the four kernels below on 16 lanes (AVX512-BF16). */
+int rows_bf16_available(void);
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                   int64_t rows, int64_t dim, float eps, int gemma);
+void rms_norm_heads_bf16(uint16_t *x, int64_t token_stride, int64_t tokens, int64_t heads,
+                         int64_t d, const uint16_t *weight, float eps, int gemma);
+void rope_bf16(uint16_t *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
+               int64_t rotary_dim, const int64_t *positions, const float *cos, const float *sin);
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+
 /* RMSNorm of the dim values at x + at into out + out_at, in the order Hugging Face computes it,
  * in float32 from x * rsqrt(mean(x^2) + eps): Llama's (gemma 0) rounds that to the dtype, then
  * multiplies by the weight (one more rounding); Gemma's (gemma 1) multiplies by (1 + weight)
@@ -780,7 +786,9 @@ static inline __attribute__((always_inline)) void rms_norm_rows(
 /* gemma: 0 for Llama's rounding, 1 for Gemma's (1 + weight); see norm_row. */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
               int64_t dim, float eps, int gemma, int dtype) {
-    if (gemma)
+    if (dtype == BF16 && rows_bf16_available())
+        rms_norm_bf16(x, residual, weight, out, rows, dim, eps, gemma);
+    else if (gemma)
         WITH_DTYPE(dtype, rms_norm_rows, x, residual, weight, out, rows, dim, eps, 1);
     else
         WITH_DTYPE(dtype, rms_norm_rows, x, residual, weight, out, rows, dim, eps, 0);
@@ -801,7 +809,9 @@ static inline __attribute__((always_inline)) void norm_heads(
  * inside the fused projection's rows); weight (d,). */
 void rms_norm_heads(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
                     const void *weight, float eps, int gemma, int dtype) {
-    if (gemma)
+    if (dtype == BF16 && rows_bf16_available())
+        rms_norm_heads_bf16(x, token_stride, tokens, heads, d, weight, eps, gemma);
+    else if (gemma)
         WITH_DTYPE(dtype, norm_heads, x, token_stride, tokens, heads, d, weight, eps, 1);
     else
         WITH_DTYPE(dtype, norm_heads, x, token_stride, tokens, heads, d, weight, eps, 0);
@@ -832,8 +842,11 @@ static inline __attribute__((always_inline)) void rope_rows(
 void rope(void *x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t d,
           int64_t rotary_dim, const int64_t *positions, const float *cos, const float *sin,
           int dtype) {
-    WITH_DTYPE(dtype, rope_rows, x, token_stride, tokens, heads, d, rotary_dim, positions, cos,
-               sin);
+    if (dtype == BF16 && rows_bf16_available())
+        rope_bf16(x, token_stride, tokens, heads, d, rotary_dim, positions, cos, sin);
+    else
+        WITH_DTYPE(dtype, rope_rows, x, token_stride, tokens, heads, d, rotary_dim, positions,
+                   cos, sin);
 }
 
 /* The activations of the gated MLPs, in float32 (torch computes a bfloat16 tensor's in float32
@@ -864,7 +877,10 @@ static inline __attribute__((always_inline)) void gated_rows(const void *gate_up
 
 /* silu(gate) * up (Llama's MLP). */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
-    WITH_DTYPE(dtype, gated_rows, gate_up, out, rows, inter, SILU);
+    if (dtype == BF16 && rows_bf16_available())
+        silu_mul_bf16(gate_up, out, rows, inter);
+    else
+        WITH_DTYPE(dtype, gated_rows, gate_up, out, rows, inter, SILU);
 }
 
 /* gelu_tanh(gate) * up (Gemma's MLP). */

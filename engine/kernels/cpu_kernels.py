@@ -49,7 +49,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "cpu_kernels.c", "cpu_linear.c", "cpu_decode_step.c", "cpu_decode_moe.c", "cpu_moe.c",
-        "cpu_topk.cpp", "cpu_quant.c", "cpu_lora.c", "cpu_prefill_pairs.c",
+        "cpu_topk.cpp", "cpu_quant.c", "cpu_lora.c", "cpu_prefill_pairs.c", "cpu_rows_bf16.c",
     )
 )  # fmt: skip
 HEADERS = tuple(  # included by the sources
@@ -70,6 +70,10 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "paged_prefill": (
         _int,
         [_p, _p, _p, _int, _p, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _p, _int],
+    ),
+    "paged_prefill_bf16": (
+        _int,
+        [_p, _p, _p, _p, _p, _p, _p, *[_i64] * 7, _f32, _i64, _f32, _p, _int],
     ),
     "store_kv": (None, [_p, _p, _int, _p, _p, _int, _p, *[_i64] * 5]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32, _int, _int]),
@@ -179,27 +183,32 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention_ref: q's shape. Every sequence's new
     tokens in one call, as cpu_kernels.c's tiles (`paged_prefill`; timings in its comment), or
-    for a bfloat16 model's queries over a bfloat16 cache cpu_prefill_pairs.c's dot products."""
+    for a bfloat16 model's queries over a bfloat16 cache cpu_prefill_pairs.c's dot products
+    (`paged_prefill_bf16`: q and the output stay bfloat16)."""
     lib = library()
     assert lib is not None and k_cache.stride() == v_cache.stride()
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    q32 = q.float().contiguous()
+    pairs = (q.dtype == k_cache.dtype == torch.bfloat16 and head_dim % 16 == 0
+             and prefill_pairs_available())  # fmt: skip
+    model_dtype = q.dtype
+    q = q.contiguous() if pairs else q.float().contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     sinks32 = _sink_logits(sinks, num_heads)
-    out = torch.empty(num_tokens, num_heads, head_dim)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+    cache = () if pairs else (CACHE_DTYPE_CODES[k_cache.dtype],)  # the pairs' is bfloat16
     status = run(
-        "paged_prefill",
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
+        "paged_prefill_bf16" if pairs else "paged_prefill",
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *cache,
         tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0), tables.shape[1], scale,
         sliding_window or 0, soft_cap or 0.0, address(sinks32), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged prefill attention: no memory for its scratch")
-    return out.to(q.dtype)
+    return out.to(model_dtype)
 
 
 def _sink_logits(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
@@ -334,8 +343,8 @@ def bf16_pairs_available() -> bool:
 
 
 def prefill_pairs_available() -> bool:
-    """Whether paged_prefill has its AVX512-BF16 path (cpu_prefill_pairs.c): taken for a
-    bfloat16 cache when every query value is a bfloat16 and head_dim a multiple of 16."""
+    """Whether the prefill has its AVX512-BF16 path (cpu_prefill_pairs.c): taken for a bfloat16
+    model's queries over a bfloat16 cache, head_dim a multiple of 16."""
     lib = library()
     return lib is not None and bool(lib.prefill_pairs_available())
 

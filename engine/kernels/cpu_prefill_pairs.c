@@ -1,7 +1,10 @@
 /* Prefill attention over a bfloat16 cache with AVX512-BF16's dot products (`vdpbf16ps`): the
- * path cpu_kernels.c's paged_prefill takes when the cache is bfloat16 and every query value is
- * a bfloat16 (a bfloat16 model's queries, widened by the caller), so that nothing is rounded
- * that the model had not rounded already, except the probabilities (see below).
+ * path of a bfloat16 model's queries over a bfloat16 cache (cpu_kernels.c's paged_prefill_bf16),
+ * so that nothing is rounded that the model had not rounded already, except the probabilities
+ * (see below) and the output, rounded to bfloat16 once as the model's dtype would round it.
+ * The queries come in and the output goes out in bfloat16: widening them to float32 around
+ * the call was two more passes over activations of megabytes (3-4 ms a layer at Qwen3-0.6B's
+ * 1k-token prefill).
  *
  * Why: the float32 tiles (cpu_kernels.c's prefill_sequence) multiply-add eight float32 lanes an
  * instruction and hold every score of a tile's rows, ~85 GFLOPS on the dev VM's Zen 4, where
@@ -17,11 +20,11 @@
  * skipped, flash-attention style: scores S = q K^T in 12-row x 32-key register tiles (each key
  * vector loaded once for 12 rows, each query pair broadcast from memory), a running maximum and
  * sum per row in float32 (online softmax, in base 2: the output so far rescaled when the
- * maximum moves), the probabilities rounded to bfloat16 (as torch's own CPU flash attention
- * rounds them for a bfloat16 model) and multiplied into the output in 6-row x 64-column
- * register tiles. Soft caps
- * apply to the scores before the maximum; a sink starts each row's maximum at its logit and its
- * sum at 1 (one more key with no value), so the row's weights sum to less than one.
+ * maximum moves), the probabilities summed in float32 and rounded to bfloat16 for the product
+ * (as torch's own CPU flash attention does for a bfloat16 model), multiplied into the output in
+ * 6-row x 64-column register tiles. Soft caps apply to the scores before the maximum; a sink
+ * starts each row's maximum at its logit and its sum at 1 (one more key with no value), so the
+ * row's weights sum to less than one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,9 +51,9 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
 }
 
 /* Scores of SR rows of qb (bf16, d a row) against the 32 keys of packed blocks kp, kp + 16 * d:
- * s[t][0 .. 32) = scale * q_t . k_j. */
+ * s[t][0 .. 32) = q_t . k_j (the softmax scales them). */
 static inline __attribute__((always_inline)) void score_tile(
-    const uint16_t *restrict qb, const uint16_t *restrict kp, const int64_t d, float scale,
+    const uint16_t *restrict qb, const uint16_t *restrict kp, const int64_t d,
     float *restrict s) {
     __m512 acc[SR][2];
     for (int t = 0; t < SR; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -65,10 +68,9 @@ static inline __attribute__((always_inline)) void score_tile(
             acc[t][1] = _mm512_dpbf16_ps(acc[t][1], k1, q);
         }
     }
-    __m512 sc = _mm512_set1_ps(scale);
     for (int t = 0; t < SR; t++) {
-        _mm512_storeu_ps(s + t * BK, _mm512_mul_ps(acc[t][0], sc));
-        _mm512_storeu_ps(s + t * BK + 16, _mm512_mul_ps(acc[t][1], sc));
+        _mm512_storeu_ps(s + t * BK, acc[t][0]);
+        _mm512_storeu_ps(s + t * BK + 16, acc[t][1]);
     }
 }
 
@@ -103,10 +105,13 @@ static inline __mmask16 below(int64_t j, int64_t b) {
     return b - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (b - j)) - 1u);
 }
 
-/* The maximum of peak and row[a .. b). */
+/* The maximum of peak and row[a .. b): whole vectors, then a masked tail (a mask made every
+ * step was a fifth of the softmax's instructions). */
 static inline float row_max(const float *row, int64_t a, int64_t b, float peak) {
     __m512 best = _mm512_set1_ps(peak);
-    for (int64_t j = a; j < b; j += 16)
+    int64_t j = a;
+    for (; j + 16 <= b; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row + j));
+    if (j < b)
         best = _mm512_mask_max_ps(best, below(j, b), best, _mm512_maskz_loadu_ps(below(j, b),
                                                                                   row + j));
     return _mm512_reduce_max_ps(best);
@@ -129,19 +134,28 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* prow[a .. b) = 2^(row - peak) (scores in base 2), rounded to bfloat16 as `vcvtneps2bf16`
- * rounds (to nearest even); returns the sum of the rounded values, which the output weighs. */
-static inline float row_probs(const float *row, int64_t a, int64_t b, float peak,
+/* 2^(x * unit - peak) of 16 scores, their bfloat16 roundings stored at dst (the lanes of
+ * `lanes`), and the unrounded values added into *sum. */
+static inline __attribute__((always_inline)) void probs16(__m512 x, __m512 unit, __m512 peak,
+                                                          uint16_t *dst, __mmask16 lanes,
+                                                          __m512 *sum) {
+    __m512 e = exp2_16(_mm512_fmsub_ps(x, unit, peak));
+    _mm256_mask_storeu_epi16(dst, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+    *sum = _mm512_mask_add_ps(*sum, lanes, *sum, e);
+}
+
+/* prow[a .. b) = 2^(row * unit - peak) (unit: what takes the row's scores to base 2), rounded
+ * to bfloat16 as `vcvtneps2bf16` rounds (to nearest even), for the output's product; returns
+ * their sum before the rounding, as torch's CPU flash attention sums them. */
+static inline float row_probs(const float *row, int64_t a, int64_t b, float unit, float peak,
                               uint16_t *prow) {
-    __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(peak);
-    for (int64_t j = a; j < b; j += 16) {
-        __mmask16 lanes = below(j, b);
-        __m512 e = exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), top));
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
-        _mm256_mask_storeu_epi16(prow + j, lanes, h);
-        __m512 held = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        sum = _mm512_mask_add_ps(sum, lanes, sum, held);
-    }
+    __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(peak), by = _mm512_set1_ps(unit);
+    int64_t j = a;
+    for (; j + 16 <= b; j += 16)
+        probs16(_mm512_loadu_ps(row + j), by, top, prow + j, (__mmask16)0xffff, &sum);
+    if (j < b)
+        probs16(_mm512_maskz_loadu_ps(below(j, b), row + j), by, top, prow + j, below(j, b),
+                &sum);
     return _mm512_reduce_add_ps(sum);
 }
 
@@ -195,10 +209,10 @@ static void configure_tiles(void) {
 
 static void release_tiles(void) { _tile_release(); }
 
-/* score_tile for 16 rows: s[t][0 .. 32) = scale * q_t . k_j, tiles 0-1 the scores, 2 the
- * queries, 3-4 the two 16-key blocks of kp. */
+/* score_tile for 16 rows: s[t][0 .. 32) = q_t . k_j, tiles 0-1 the scores, 2 the queries,
+ * 3-4 the two 16-key blocks of kp. */
 static inline __attribute__((always_inline)) void score_tile_amx(
-    const uint16_t *restrict qb, const uint16_t *restrict kp, const int64_t d, float scale,
+    const uint16_t *restrict qb, const uint16_t *restrict kp, const int64_t d,
     float *restrict s) {
     _tile_zero(0);
     _tile_zero(1);
@@ -211,11 +225,6 @@ static inline __attribute__((always_inline)) void score_tile_amx(
     }
     _tile_stored(0, s, BK * 4);
     _tile_stored(1, s + 16, BK * 4);
-    __m512 sc = _mm512_set1_ps(scale);
-    for (int t = 0; t < TR; t++) {
-        _mm512_storeu_ps(s + t * BK, _mm512_mul_ps(_mm512_loadu_ps(s + t * BK), sc));
-        _mm512_storeu_ps(s + t * BK + 16, _mm512_mul_ps(_mm512_loadu_ps(s + t * BK + 16), sc));
-    }
 }
 
 /* weigh_tile for 16 rows and every column: o = o * alpha + the key pairs [p0, p1) of the block
@@ -225,6 +234,7 @@ static inline __attribute__((always_inline)) void weigh_rows_amx(
     const uint16_t *restrict pb, const uint16_t *restrict vp, const int64_t d, int64_t p0,
     int64_t p1, const float *alpha, float *restrict o) {
     for (int t = 0; t < TR; t++) {
+        if (alpha[t] == 1.0f) continue; /* the row's maximum stayed (most blocks past the first) */
         __m512 a = _mm512_set1_ps(alpha[t]);
         for (int64_t c = 0; c < d; c += 16)
             _mm512_storeu_ps(o + t * d + c, _mm512_mul_ps(_mm512_loadu_ps(o + t * d + c), a));
@@ -267,8 +277,9 @@ void prefill_amx_use(int on) { (void)on; }
 int prefill_amx_ready(void) { return 0; }
 static void configure_tiles(void) {}
 static void release_tiles(void) {}
-static inline void score_tile_amx(const uint16_t *qb, const uint16_t *kp, int64_t d, float scale,
-                                  float *s) { abort(); }
+static inline void score_tile_amx(const uint16_t *qb, const uint16_t *kp, int64_t d, float *s) {
+    abort();
+}
 static inline void weigh_rows_amx(const uint16_t *pb, const uint16_t *vp, int64_t d, int64_t p0,
                                   int64_t p1, const float *alpha, float *o) { abort(); }
 #endif
@@ -283,8 +294,8 @@ int64_t prefill_pairs_scratch(int64_t n, int64_t d) {
 }
 
 static inline __attribute__((always_inline)) void prefill_pairs_d(
-    const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-    int64_t total, int64_t queries, float *out, int64_t num_heads, int64_t num_kv_heads,
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+    int64_t total, int64_t queries, uint16_t *out, int64_t num_heads, int64_t num_kv_heads,
     int64_t kvh, const int64_t d, int64_t block_size, int64_t block_stride, float scale,
     int64_t window, float soft_cap, const float *sinks, void *scratch, const int amx) {
     int64_t group = num_heads / num_kv_heads, first_pos = total - queries;
@@ -296,8 +307,9 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
     float *s = (float *)(pb + BQ * BK), *o = s + BQ * BK, *m = o + BQ * d, *l = m + BQ;
     float *alpha = l + BQ;
     int64_t *lo = (int64_t *)(alpha + BQ), *hi = lo + BQ;
-    /* scores in base 2: log2(e) in the scale, or after the soft cap (which takes them as are) */
-    float score_scale = soft_cap > 0.0f ? scale : scale * LOG2E;
+    /* the tiles' q . k times `unit` is the score in base 2 (log2(e) in the scale), which the
+     * softmax multiplies in as it reads them; a soft cap scales and caps them first */
+    float unit = soft_cap > 0.0f ? 1.0f : scale * LOG2E;
     /* pack: key i (position base + i) at kp[i / 16][c / 2][i % 16][c % 2], value at
      * vp[i / 2][c][i % 2]; past n zeros */
     for (int64_t i = 0; i < padded; i++) {
@@ -324,12 +336,7 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
             /* past the last row: the last row again (computed, never stored) */
             int64_t r = r0 + (t < rows ? t : rows - 1), tok = r / group;
             int64_t head = kvh * group + r % group, pos = first_pos + tok;
-            const float *src = q + (tok * num_heads + head) * d;
-            for (int64_t c = 0; c < d; c++) {
-                uint32_t bits;
-                memcpy(&bits, src + c, sizeof bits);
-                qb[t * d + c] = (uint16_t)(bits >> 16); /* exact: checked by the caller */
-            }
+            memcpy(qb + t * d, q + (tok * num_heads + head) * d, d * sizeof *qb);
             lo[t] = first_key(pos, window) - base;
             hi[t] = pos + 1 - base;
             klo = lo[t] < klo ? lo[t] : klo;
@@ -337,6 +344,13 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
             m[t] = sinks != NULL ? sinks[head] * LOG2E : -INFINITY;
             l[t] = sinks != NULL ? 1.0f : 0.0f;
             for (int64_t c = 0; c < d; c++) o[t * d + c] = 0.0f;
+        }
+        /* the next block's query rows, a token's (num_heads * d values) apart: the hardware
+         * prefetcher does not cross pages, and their misses were 5-7% of a 4k-token prefill */
+        for (int64_t r = r0 + BQ; r < r0 + 2 * BQ && r < num_rows; r++) {
+            const char *row = (const char *)(q + ((r / group) * num_heads + kvh * group +
+                                                  r % group) * d);
+            for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
         }
         klo = klo / 32 * 32;
         for (int64_t k0 = klo; k0 < khi; k0 += BK) {
@@ -352,11 +366,9 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
                 for (int64_t j = 0; j < kn; j += 32)
                     if (k0 + j >= thi || k0 + j + 32 <= tlo) continue;
                     else if (amx)
-                        score_tile_amx(qb + t0 * d, kp + (k0 + j) * d, d, score_scale,
-                                       s + t0 * BK + j);
+                        score_tile_amx(qb + t0 * d, kp + (k0 + j) * d, d, s + t0 * BK + j);
                     else
-                        score_tile(qb + t0 * d, kp + (k0 + j) * d, d, score_scale,
-                                   s + t0 * BK + j);
+                        score_tile(qb + t0 * d, kp + (k0 + j) * d, d, s + t0 * BK + j);
             }
             int64_t pair_lo = kn / 2, pair_hi = 0; /* key pairs any row weighs */
             for (int64_t t = 0; t < rows_or; t++) {
@@ -365,19 +377,23 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
                 int64_t a = lo[t] - k0, b = hi[t] - k0;
                 a = a < 0 ? 0 : a > kn ? kn : a;
                 b = b < 0 ? 0 : b > kn ? kn : b;
-                for (int64_t j = 0; j < kn; j++) prow[j] = 0;
                 if (a >= b) {
+                    memset(prow, 0, kn * sizeof *prow);
                     alpha[t] = 1.0f;
                     continue;
                 }
+                memset(prow, 0, a * sizeof *prow); /* [a, b) row_probs writes */
+                memset(prow + b, 0, (kn - b) * sizeof *prow);
                 pair_lo = a / 2 < pair_lo ? a / 2 : pair_lo;
                 pair_hi = (b + 1) / 2 > pair_hi ? (b + 1) / 2 : pair_hi;
                 if (soft_cap > 0.0f)
                     for (int64_t j = a; j < b; j++)
-                        row[j] = soft_cap * tanh_clamped(row[j] / soft_cap) * LOG2E;
-                float peak = row_max(row, a, b, m[t]);
-                alpha[t] = m[t] == -INFINITY ? 0.0f : exp_clamped((m[t] - peak) * LN2);
-                l[t] = l[t] * alpha[t] + row_probs(row, a, b, peak, prow);
+                        row[j] = soft_cap * tanh_clamped(row[j] * scale / soft_cap) * LOG2E;
+                float top = unit * row_max(row, a, b, -INFINITY), peak = top > m[t] ? top : m[t];
+                alpha[t] = m[t] == peak ? 1.0f
+                           : m[t] == -INFINITY ? 0.0f
+                                               : exp_clamped((m[t] - peak) * LN2);
+                l[t] = l[t] * alpha[t] + row_probs(row, a, b, unit, peak, prow);
                 m[t] = peak;
             }
             if (pair_lo >= pair_hi) continue;
@@ -407,9 +423,12 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
         }
         for (int64_t t = 0; t < rows; t++) {
             int64_t r = r0 + t, tok = r / group, head = kvh * group + r % group;
-            float *dst = out + (tok * num_heads + head) * d;
-            float inv = l[t] > 0.0f ? 1.0f / l[t] : 0.0f;
-            for (int64_t c = 0; c < d; c++) dst[c] = o[t * d + c] * inv;
+            uint16_t *dst = out + (tok * num_heads + head) * d;
+            __m512 inv = _mm512_set1_ps(l[t] > 0.0f ? 1.0f / l[t] : 0.0f);
+            for (int64_t c = 0; c < d; c += 16) /* rounded to nearest even, as torch's .to() */
+                _mm256_storeu_si256((__m256i *)(dst + c),
+                                    (__m256i)_mm512_cvtneps_pbh(
+                                        _mm512_mul_ps(_mm512_loadu_ps(o + t * d + c), inv)));
         }
     }
 }
@@ -419,11 +438,11 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
                     kvh, D, block_size, block_stride, scale, window, soft_cap, sinks, scratch, \
                     amx)
 
-/* One KV head `kvh` of one sequence: q, out as paged_prefill's (this sequence's first token),
- * total keys (prefix and new), `queries` new tokens; d a multiple of 16. The common head sizes
- * get their own copy, d a constant there (the tiles' loops unroll). */
-void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int64_t total, int64_t queries, float *out,
+/* One KV head `kvh` of one sequence: q, out as paged_prefill_bf16's (this sequence's first
+ * token), total keys (prefix and new), `queries` new tokens; d a multiple of 16. The common
+ * head sizes get their own copy, d a constant there (the tiles' loops unroll). */
+void prefill_pairs(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int64_t total, int64_t queries, uint16_t *out,
                    int64_t num_heads, int64_t num_kv_heads, int64_t kvh, int64_t d,
                    int64_t block_size, int64_t block_stride, float scale, int64_t window,
                    float soft_cap, const float *sinks, void *scratch, int amx) {
@@ -447,8 +466,8 @@ void prefill_amx_use(int on) { (void)on; }
 int prefill_amx_ready(void) { return 0; }
 
 /* Never called where prefill_pairs_available() says 0 (cpu_kernels.c's paged_prefill). */
-void prefill_pairs(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int64_t total, int64_t queries, float *out,
+void prefill_pairs(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int64_t total, int64_t queries, uint16_t *out,
                    int64_t num_heads, int64_t num_kv_heads, int64_t kvh, int64_t d,
                    int64_t block_size, int64_t block_stride, float scale, int64_t window,
                    float soft_cap, const float *sinks, void *scratch, int amx) {
