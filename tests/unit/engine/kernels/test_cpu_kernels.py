@@ -184,11 +184,12 @@ def test_without_a_compiler_the_engine_takes_the_torch_path(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_its_residual_add_match_the_torch_module(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [96, 90])  # 90: a part vector at each row's end (16 lanes)
+def test_rms_norm_and_its_residual_add_match_the_torch_module(dtype: torch.dtype, dim: int) -> None:
     torch.manual_seed(5)
-    norm = RMSNorm(96, 1e-5).to(dtype)
-    norm.weight.data = torch.randn(96).to(dtype)
-    x, residual = (3 * torch.randn(7, 96)).to(dtype), torch.randn(7, 96).to(dtype)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(dim).to(dtype)
+    x, residual = (3 * torch.randn(7, dim)).to(dtype), torch.randn(7, dim).to(dtype)
     expected, expected_sum = norm(x), residual + x
     expected_after_add = norm(expected_sum)
     norm.fused = True
@@ -215,21 +216,22 @@ def test_silu_mul_matches_torch_over_the_whole_float_range(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [64, 40])  # 40: halves of 20, a part vector after 16 lanes
+def test_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype, d: int) -> None:
     torch.manual_seed(6)
-    rotary = RotaryEmbedding(RopeConfig(kind="default", theta=10000.0), 64, 512)
-    qkv = torch.randn(5, (4 + 2 * 2) * 64).to(dtype)  # 4 query heads, 2 KV heads
-    q, k, _ = qkv.split([256, 128, 128], dim=-1)
-    q, k = q.reshape(5, 4, 64), k.reshape(5, 2, 64)  # strided views, as the model makes them
+    rotary = RotaryEmbedding(RopeConfig(kind="default", theta=10000.0), d, 512)
+    qkv = torch.randn(5, (4 + 2 * 2) * d).to(dtype)  # 4 query heads, 2 KV heads
+    q, k, _ = qkv.split([4 * d, 2 * d, 2 * d], dim=-1)
+    q, k = q.reshape(5, 4, d), k.reshape(5, 2, d)  # strided views, as the model makes them
     positions = torch.tensor([0, 7, 100, 511, 3])
     expected_q, expected_k = rotary(positions, q, k)
-    v_before = qkv[:, 384:].clone()
+    v_before = qkv[:, 6 * d :].clone()
     rotary.fused = True
     got_q, got_k = rotary(positions, q, k)
     assert got_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
     assert_close(got_q, expected_q)
     assert_close(got_k, expected_k)
-    assert torch.equal(qkv[:, 384:], v_before)
+    assert torch.equal(qkv[:, 6 * d :], v_before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
