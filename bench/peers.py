@@ -113,6 +113,11 @@ class Workload:
         longest = self.prefix_len + int(self.input_len * (1 + INPUT_RANGE)) + OUTPUT_LEN
         return max(2048, -(-longest // 1024) * 1024)
 
+    @property
+    def mean_context(self) -> int:
+        """A sequence's mean length over its decode: prefix, prompt, half the output."""
+        return self.prefix_len + self.input_len + OUTPUT_LEN // 2
+
     def describe(self) -> dict:
         low, high = (int(self.input_len * (1 + s * INPUT_RANGE)) for s in (-1, 1))
         return {"prompt_tokens": [low, high], "shared_prefix_tokens": self.prefix_len,
@@ -468,7 +473,11 @@ BOUND_FORMULA = (
     "step_bytes(B) = dense_bytes + expert_bytes * (1 - (1 - top_k / num_experts) ** B) "
     "(random routing; dense models: dense_bytes). fraction_of_bound: output tok/s over the "
     "bound (each request's prefill included); decode_fraction_of_bound: the same from the "
-    "inter-token p50 alone, step_bytes(B) / read_gb_s / itl_p50_s"
+    "inter-token p50 alone, step_bytes(B) / read_gb_s / itl_p50_s; "
+    "decode_fraction_of_bound_with_kv: the same with the KV cache a step reads counted, "
+    "(step_bytes(B) + kv_bytes(B)) / read_gb_s / itl_p50_s, kv_bytes(B) = B * context * "
+    "kv_bytes_per_token, context = shared prefix + input_len + output_len / 2 (the mean "
+    "sequence length over the decode; every layer's attention taken as full)"
 )
 
 
@@ -533,6 +542,19 @@ def gguf_step_bytes(path: Path) -> StepBytes:
         num_experts=field(f"{arch}.expert_count") if experts else 0,
         top_k=field(f"{arch}.expert_used_count") if experts else 0,
     )
+
+
+def kv_bytes_per_token(target: Target) -> int:
+    """The K and V bytes one token holds over all layers, in the cache every server here keeps
+    for this target: the model's dtype (a GGUF's in 16 bits, llama.cpp's F16 and the clusters'
+    bfloat16)."""
+    config = json.loads((target.model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    element = 4 if target.cluster_dtype == "float32" else 2
+    return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * element
 
 
 def target_bytes(target: Target) -> StepBytes:
@@ -604,7 +626,8 @@ def main() -> None:
                     runs = run_target(args, target, chosen, bin_dir, llamacpp, workdir)
                     weights = target_bytes(target)  # the bound: its bytes at its size
                     read_gb_s = max(bandwidth, read_bandwidth_gb_s(int(weights.at_batch(1))))
-                    summary = summarize(runs, args.concurrency, weights, read_gb_s)
+                    cache = KvRead(kv_bytes_per_token(target), args.workload.mean_context)
+                    summary = summarize(runs, args.concurrency, weights, read_gb_s, cache)
                     summary["repeats"] = args.repeats
                     if target.gguf is not None and set(chosen) & set(OURS):
                         summary["cluster_dtype"] = target.cluster_dtype  # the activations'
@@ -696,19 +719,31 @@ def _earlier(out: Path, key: str) -> dict:
     return dict(json.loads(out.read_text()).get(key, {}))
 
 
+@dataclass(frozen=True, slots=True)
+class KvRead:
+    """The KV cache a decode step reads beside the weights: each sequence's at the mean context."""
+
+    bytes_per_token: int
+    context: int  # tokens
+
+    def at_batch(self, batch: int) -> int:
+        return batch * self.context * self.bytes_per_token
+
+
 def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights: StepBytes,
-              bandwidth: float) -> dict:  # fmt: skip
+              bandwidth: float, cache: KvRead) -> dict:  # fmt: skip
     # the bandwidth is measured per model, at its step's bytes: each keeps the figure it was made
     # with
     summary: dict = {
         "weight_bytes": weights.weight_bytes, "dense_bytes": weights.dense_bytes,
         "expert_bytes": weights.expert_bytes, "num_experts": weights.num_experts,
         "top_k": weights.top_k, "read_gb_s": round(bandwidth, 1), "bound": BOUND_FORMULA,
-        "levels": {},
+        "kv_bytes_per_token": cache.bytes_per_token, "context": cache.context, "levels": {},
     }  # fmt: skip
     for c in levels:
         step_s = weights.at_batch(c) / (bandwidth * 1e9)  # reading them once
-        level: dict = {"step_bytes": round(weights.at_batch(c)),
+        with_kv_s = step_s + cache.at_batch(c) / (bandwidth * 1e9)
+        level: dict = {"step_bytes": round(weights.at_batch(c)), "kv_bytes": cache.at_batch(c),
                        "bandwidth_bound_tokens_per_s": round(c / step_s, 1)}  # fmt: skip
         if weights.num_experts:
             level["experts_read_per_layer"] = round(weights.experts_read(c), 2)
@@ -720,6 +755,9 @@ def summarize(runs: dict[str, dict[int, list[dict]]], levels: list[int], weights
             # the decode steps alone: each of the c streams gets a token every inter-token time
             itl_s = level[server]["itl_p50_s"]  # 0 where every request failed
             level[server]["decode_fraction_of_bound"] = round(step_s / itl_s, 3) if itl_s else None
+            level[server]["decode_fraction_of_bound_with_kv"] = (
+                round(with_kv_s / itl_s, 3) if itl_s else None
+            )
         for peer, server in _compared(list(runs)):
             ours, theirs = level[server], level[peer]
             level[f"{server}_vs_{peer}"] = _ratio(
@@ -749,6 +787,8 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(m, d, s) for m, by_dtype in result["models"].items() for d, s in by_dtype.items()]
+    if not panels:  # profiles only (--skip-runs into a new file): no figures to plot
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (model, dtype, summary) in zip(axes[0], panels, strict=True):
         levels = list(summary["levels"])

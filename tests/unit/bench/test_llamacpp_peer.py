@@ -22,6 +22,7 @@ from bench.llamacpp_peer import (
     request_headers,
 )
 from bench.peers import (
+    KvRead,
     StepBytes,
     Target,
     _compared,
@@ -111,13 +112,16 @@ def test_the_clusters_throughput_and_ttft_are_given_as_multiples_of_llama_cpps()
 
     runs = {"llamacpp": {1: figures(100.0, 0.2)}, "aggregated": {1: figures(150.0, 0.1)}}
     weights = StepBytes(int(1e8), int(1e8), 0, 0, 0)
-    level = summarize(runs, [1], weights, bandwidth=30.0)["levels"][1]
+    cache = KvRead(bytes_per_token=1000, context=20_000)  # 20 MB beside the weights
+    level = summarize(runs, [1], weights, bandwidth=30.0, cache=cache)["levels"][1]
     assert level["aggregated_vs_llamacpp"] == 1.5
     assert level["aggregated_ttft_vs_llamacpp"] == 0.5
     assert level["bandwidth_bound_tokens_per_s"] == 300.0  # 30 GB/s over 100 MB a step
     assert level["llamacpp"]["fraction_of_bound"] == pytest.approx(100 / 300, abs=1e-3)
     # a 100 MB step at 30 GB/s takes 3.33 ms; a token every 10 ms is 0.333 of that rate
     assert level["llamacpp"]["decode_fraction_of_bound"] == pytest.approx(1 / 3, abs=1e-3)
+    # with the cache: 120 MB a step, 4 ms at 30 GB/s, 0.4 of a token every 10 ms
+    assert level["llamacpp"]["decode_fraction_of_bound_with_kv"] == pytest.approx(0.4, abs=1e-3)
     assert not any("vllm" in key for key in level)
 
 

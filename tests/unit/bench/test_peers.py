@@ -11,7 +11,15 @@ import torch
 from safetensors.torch import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from bench.peers import StepBytes, op_profile, step_bytes, summarize
+from bench.peers import (
+    KvRead,
+    StepBytes,
+    Target,
+    kv_bytes_per_token,
+    op_profile,
+    step_bytes,
+    summarize,
+)
 
 
 def test_a_real_profiler_table_becomes_ms_per_forward_by_op() -> None:
@@ -94,6 +102,17 @@ def test_a_dense_tied_model_reads_every_weight_each_step(tmp_path: Path) -> None
     weights = step_bytes(tmp_path)
     assert weights.dense_bytes == weights.weight_bytes == 4 * (32 * 8 + 8)
     assert weights.at_batch(1) == weights.at_batch(32) == weights.dense_bytes
-    summary = summarize({}, [1, 4], weights, bandwidth=1.0)
+    summary = summarize({}, [1, 4], weights, bandwidth=1.0, cache=KvRead(0, 0))
     assert summary["levels"][4]["bandwidth_bound_tokens_per_s"] == round(4e9 / (4 * 264), 1)
     assert "experts_read_per_layer" not in summary["levels"][4]
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", 114_688), ("float32", 229_376)])
+def test_a_token_holds_k_and_v_of_every_layer_in_the_cache_dtype(
+    tmp_path: Path, dtype: str, expected: int
+) -> None:
+    """Qwen3-0.6B's shape: 28 layers, 8 KV heads of 128 (head_dim apart from hidden / heads)."""
+    config = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "hidden_size": 1024}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kv_bytes_per_token(Target("m", dtype, tmp_path, dtype)) == expected
