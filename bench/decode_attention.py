@@ -38,6 +38,15 @@ longer distance (4 or 8 chunks) nor prefetching into L1 changed it beyond the no
 software prefetch at all was 1.1-1.45x slower at 4k (at 512 the same, or 1.4x faster for
 Llama's shape).
 
+Where the time sits (perf, Qwen3's shape at 1k, 2026-12-06 later): two thirds of the kernel's
+samples fall on its prefetch loops (the instruction after each `prefetcht2`), the dot products
+and sums on the rest: the core waits on memory there, and it has only so many lines in
+flight. Fewer prefetches, to leave the rest to the hardware's streams within a block, were
+slower at every spacing: one every 128, 256, 512 or 2,048 bytes (a token's row) took Qwen3 at
+1k from 13.9 ms to 20.6, 19.0, 16.7 and 14.6; prefetching the values during the keys' pass
+(both streams at once) took it to 17.1. A software prefetch holds a fill buffer until its line
+arrives, a dozen or two at a time, which at this host's ~100 ns is ~10 GB/s: the kernel's rate.
+
     .venv/bin/python -m bench.decode_attention [--contexts 512 1024 4096] [--batch 1] [--out PATH]
 """
 
