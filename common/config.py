@@ -69,10 +69,12 @@ class OrchestratorConfig(_Section, frozen=True):
 
 
 # The token budget of one engine step (a prefill chunk plus the batch's decodes) where
-# cluster.yaml leaves it out, by device. A CPU's matmuls run as fast at 512 rows as at 2048, so
-# smaller chunks cost no throughput there and let prompts that arrive together get their first
-# tokens one after another instead of all at the end (SmolLM2, 8 prompts of 128-256 tokens at
-# once, float32: TTFT p50 2.3 s against 3.2-3.8, all done in the same time).
+# cluster.yaml leaves it out, by device. A CPU's matmuls run nearly as fast at 512 rows as at
+# 2048, so smaller chunks let prompts that arrive together get their first tokens one after
+# another instead of all at the end (SmolLM2, 8 prompts of 128-256 tokens at once, float32: TTFT
+# p50 2.3 s against 3.2-3.8, all done in the same time). Each further chunk of one long prompt
+# reads the weights again: Qwen3-0.6B's 1k-token prefill is 1.60 s in one step, 1.77 s in two
+# (bench/README.md), which long-prompt deployments trade back with 2048.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
