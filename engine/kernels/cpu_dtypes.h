@@ -44,6 +44,13 @@ static inline void put(void *p, int64_t i, float f, int dtype) {
         ((uint16_t *)p)[i] = to_bf16(f);
 }
 
+#ifdef __AVX512F__
+/* Lanes of [j, j + 16) below n: the mask of a 16-lane loop's last, part vector. */
+static inline __mmask16 lanes_below(int64_t j, int64_t n) {
+    return n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+}
+#endif
+
 /* Eight float32 lanes in GCC's vector extensions: one AVX register (half of an AVX-512 one),
  * or two SSE ones where that is all the host has; the kernels build for any -march=native. */
 typedef float v8f __attribute__((vector_size(32)));

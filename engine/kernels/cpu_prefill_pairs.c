@@ -45,6 +45,13 @@ enum { OR = 6 };
 #define LOG2E 1.44269504088896341f
 #define LN2 0.69314718055994531f    /* rows of an output tile: 24 accumulators of 4 x 16 columns */
 
+/* Where query row r of KV head kvh lies in q and out: token r / group, query head
+ * kvh * group + r % group (a GQA group's heads side by side). */
+static inline int64_t row_offset(int64_t r, int64_t group, int64_t num_heads, int64_t kvh,
+                                 int64_t d) {
+    return ((r / group) * num_heads + kvh * group + r % group) * d;
+}
+
 /* The first key position that a query at `pos` sees (cpu_kernels.c's window_start). */
 static inline int64_t first_key(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
@@ -100,20 +107,16 @@ static inline __attribute__((always_inline)) void weigh_tile(
         for (int w = 0; w < W; w++) _mm512_storeu_ps(o + t * d + c0 + 16 * w, acc[t][w]);
 }
 
-/* Lanes of [j, j + 16) that lie below b. */
-static inline __mmask16 below(int64_t j, int64_t b) {
-    return b - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (b - j)) - 1u);
-}
-
 /* The maximum of peak and row[a .. b): whole vectors, then a masked tail (a mask made every
  * step was a fifth of the softmax's instructions). */
 static inline float row_max(const float *row, int64_t a, int64_t b, float peak) {
     __m512 best = _mm512_set1_ps(peak);
     int64_t j = a;
     for (; j + 16 <= b; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row + j));
-    if (j < b)
-        best = _mm512_mask_max_ps(best, below(j, b), best, _mm512_maskz_loadu_ps(below(j, b),
-                                                                                  row + j));
+    if (j < b) {
+        __mmask16 tail = lanes_below(j, b);
+        best = _mm512_mask_max_ps(best, tail, best, _mm512_maskz_loadu_ps(tail, row + j));
+    }
     return _mm512_reduce_max_ps(best);
 }
 
@@ -153,9 +156,10 @@ static inline float row_probs(const float *row, int64_t a, int64_t b, float unit
     int64_t j = a;
     for (; j + 16 <= b; j += 16)
         probs16(_mm512_loadu_ps(row + j), by, top, prow + j, (__mmask16)0xffff, &sum);
-    if (j < b)
-        probs16(_mm512_maskz_loadu_ps(below(j, b), row + j), by, top, prow + j, below(j, b),
-                &sum);
+    if (j < b) {
+        __mmask16 tail = lanes_below(j, b);
+        probs16(_mm512_maskz_loadu_ps(tail, row + j), by, top, prow + j, tail, &sum);
+    }
     return _mm512_reduce_add_ps(sum);
 }
 
@@ -334,9 +338,9 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
         int64_t klo = n, khi = 0;
         for (int64_t t = 0; t < BQ; t++) {
             /* past the last row: the last row again (computed, never stored) */
-            int64_t r = r0 + (t < rows ? t : rows - 1), tok = r / group;
-            int64_t head = kvh * group + r % group, pos = first_pos + tok;
-            memcpy(qb + t * d, q + (tok * num_heads + head) * d, d * sizeof *qb);
+            int64_t r = r0 + (t < rows ? t : rows - 1), pos = first_pos + r / group;
+            int64_t head = kvh * group + r % group;
+            memcpy(qb + t * d, q + row_offset(r, group, num_heads, kvh, d), d * sizeof *qb);
             lo[t] = first_key(pos, window) - base;
             hi[t] = pos + 1 - base;
             klo = lo[t] < klo ? lo[t] : klo;
@@ -348,8 +352,7 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
         /* the next block's query rows, a token's (num_heads * d values) apart: the hardware
          * prefetcher does not cross pages, and their misses were 5-7% of a 4k-token prefill */
         for (int64_t r = r0 + BQ; r < r0 + 2 * BQ && r < num_rows; r++) {
-            const char *row = (const char *)(q + ((r / group) * num_heads + kvh * group +
-                                                  r % group) * d);
+            const char *row = (const char *)(q + row_offset(r, group, num_heads, kvh, d));
             for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
         }
         klo = klo / 32 * 32;
@@ -422,8 +425,7 @@ static inline __attribute__((always_inline)) void prefill_pairs_d(
             }
         }
         for (int64_t t = 0; t < rows; t++) {
-            int64_t r = r0 + t, tok = r / group, head = kvh * group + r % group;
-            uint16_t *dst = out + (tok * num_heads + head) * d;
+            uint16_t *dst = out + row_offset(r0 + t, group, num_heads, kvh, d);
             __m512 inv = _mm512_set1_ps(l[t] > 0.0f ? 1.0f / l[t] : 0.0f);
             for (int64_t c = 0; c < d; c += 16) /* rounded to nearest even, as torch's .to() */
                 _mm256_storeu_si256((__m256i *)(dst + c),

@@ -14,15 +14,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_dtypes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 int rows_bf16_available(void) { return 1; }
-
-/* Lanes of [j, j + 16) below n. */
-static inline __mmask16 lanes_below(int64_t j, int64_t n) {
-    return n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-}
 
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
