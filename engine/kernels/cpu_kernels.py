@@ -82,12 +82,15 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "silu_mul": (None, [_p, _p, _i64, _i64, _int]),
     "gelu_tanh_mul": (None, [_p, _p, _i64, _i64, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
+    "pair_linear": (None, [_p, _p, _p, _p, _i64, _i64, _i64, _int]),
     "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
     "prefill_pairs_available": (_int, []),
     "prefill_amx_ready": (_int, []),
     "prefill_amx_use": (None, [_int]),
+    "linear_amx_ready": (_int, []),
+    "linear_amx_use": (None, [_int]),
     "moe_experts": (
         _int,
         [*[_p] * 8, *[_i64] * 5, _int, _int, _int, _f32, _f32, _i64, _int],
@@ -364,12 +367,45 @@ def use_prefill_amx(on: bool) -> None:
         lib.prefill_amx_use(int(on))
 
 
+def linear_amx_ready() -> bool:
+    """Whether the C decode step's bfloat16 layers multiply batches of 2 rows or more in AMX
+    tiles (cpu_linear.c): as prefill_amx_ready, with use_linear_amx."""
+    lib = library()
+    return lib is not None and bool(lib.linear_amx_ready())
+
+
+def use_linear_amx(on: bool) -> None:
+    """Let the pairs' linear layers use AMX tiles where they can (the default), or keep them on
+    AVX512-BF16's dot products (tests and bench/decode_batch.py compare the two)."""
+    lib = library()
+    if lib is not None:
+        lib.linear_amx_use(int(on))
+
+
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """bfloat16 weight (N, K), K even, as cpu_linear.c's pairs: (ceil(N / 16), K / 2, 16, 2)."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and k % 2 == 0
     panels = pack_panels(weight)  # (N / 16, K, 16)
     return panels.view(panels.shape[0], k // 2, 2, PANEL).transpose(2, 3).contiguous()
+
+
+def pair_linear(
+    x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x (rows, K) bfloat16 @ weight.T + bias in float32, the weight as `pack_pairs` left it
+    (where bf16_pairs_available); bias float32 or None. One thread: what the C decode step
+    calls for a layer."""
+    lib = library()
+    assert lib is not None and x.dtype == pairs.dtype == torch.bfloat16
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features)
+    run(
+        "pair_linear",
+        x.data_ptr(), pairs.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.shape[0], out_features, x.shape[1], 1,
+    )  # fmt: skip
+    return out
 
 
 def panel_linear(

@@ -182,6 +182,114 @@ void panel_linear(const float *x, const void *panels, int dtype, const float *bi
     }
 }
 
+/* --- AMX tiles ---------------------------------------------------------------------------
+ * From a few rows on, vdpbf16ps's multiply-adds (one instruction per row for every 64 bytes of
+ * weights) outrun memory no longer, and oneDNN took batches from 6-12 rows at a third to a half
+ * below what a core streams (Qwen3-0.6B's layers, 16-64 rows: 7-9.5 GB/s where a core reads
+ * 14-15). A panel's pairs are AMX's own B layout: 16 k steps of a panel (16 rows of 64 bytes,
+ * 1 KB, contiguous) are one B tile, 16 rows of x by 32 of K an A tile (row stride 2 K bytes),
+ * and one tdpbf16ps adds their product into 16 x 16 float32 sums. Up to 64 rows (4 sum tiles)
+ * share each weight tile; the products, exact in float32, are summed in another order than
+ * pair_rows'. Rows beyond M in the last 16 are zeros from a copy of x (a tile reads 16). */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_LINEAR 1
+#else
+#define AMX_LINEAR 0
+#endif
+#if AMX_LINEAR
+#include "cpu_amx.h"
+
+/* sum tiles at once; fewer rows keep pair_rows: Qwen3-0.6B's C step at 2 / 4 / 8 rows took
+ * 111 / 120 / 137 ms on tiles and 106 / 117 / 148 on pair_rows (bench/decode_batch.py) */
+enum { AMX_BLOCKS = 4, AMX_MIN_ROWS = 8 };
+#define AMX_PREFETCH 4096                  /* bytes of weights asked for ahead */
+
+static int linear_amx_wanted = 1; /* linear_amx_use(0): the dot products on an AMX host too */
+
+void linear_amx_use(int on) { linear_amx_wanted = on; }
+
+int linear_amx_ready(void) { return linear_amx_wanted && amx_permitted(); }
+
+/* x's rows m0 .. m0 + 16 blocks - 1 (zero rows past M already) times panel p: tiles 0 .. blocks
+ * - 1 the sums, 4 the weights, 5 and 6 x's rows. */
+static inline __attribute__((always_inline)) void amx_panel(const uint16_t *x, int64_t K,
+                                                            const uint16_t *panel,
+                                                            const int blocks, float *sums) {
+    _tile_zero(0);
+    if (blocks > 1) _tile_zero(1);
+    if (blocks > 2) _tile_zero(2);
+    if (blocks > 3) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        const uint16_t *w = panel + k * P; /* 16 k steps of 2 values for 16 columns */
+        for (int line = 0; line < 1024; line += 64)
+            _mm_prefetch((const char *)w + AMX_PREFETCH + line, _MM_HINT_T0);
+        _tile_loadd(4, w, 64);
+        _tile_loadd(5, x + k, K * 2);
+        _tile_dpbf16ps(0, 5, 4);
+        if (blocks > 1) {
+            _tile_loadd(6, x + 16 * K + k, K * 2);
+            _tile_dpbf16ps(1, 6, 4);
+        }
+        if (blocks > 2) {
+            _tile_loadd(5, x + 32 * K + k, K * 2);
+            _tile_dpbf16ps(2, 5, 4);
+        }
+        if (blocks > 3) {
+            _tile_loadd(6, x + 48 * K + k, K * 2);
+            _tile_dpbf16ps(3, 6, 4);
+        }
+    }
+    _tile_stored(0, sums, 64);
+    if (blocks > 1) _tile_stored(1, sums + 256, 64);
+    if (blocks > 2) _tile_stored(2, sums + 512, 64);
+    if (blocks > 3) _tile_stored(3, sums + 768, 64);
+}
+
+/* pair_linear on tiles, K a multiple of 32, on the calling thread. */
+static void amx_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                       int64_t M, int64_t N, int64_t K) {
+    static __thread uint16_t *padded;
+    static __thread int64_t padded_len;
+    int64_t whole = M / TR * TR, tail = M - whole;
+    const uint16_t *rows = x;
+    if (tail) { /* x with its last rows made 16 */
+        int64_t len = (whole + TR) * K;
+        if (len > padded_len) {
+            free(padded);
+            padded = malloc(sizeof(uint16_t) * len);
+            padded_len = padded != NULL ? len : 0;
+            if (padded == NULL) abort();
+        }
+        memcpy(padded, x, sizeof(uint16_t) * M * K);
+        memset(padded + M * K, 0, sizeof(uint16_t) * (TR - tail) * K);
+        rows = padded;
+    }
+    float sums[AMX_BLOCKS * TR * P];
+    configure_tiles();
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_BLOCKS * TR) {
+        int64_t left = (M - m0 + TR - 1) / TR, m_rows = M - m0 < AMX_BLOCKS * TR ? M - m0 : AMX_BLOCKS * TR;
+        const int blocks = left < AMX_BLOCKS ? (int)left : AMX_BLOCKS;
+        for (int64_t p = 0; p < (N + P - 1) / P; p++) {
+            const uint16_t *panel = pairs + p * K * P, *xm = rows + m0 * K;
+            switch (blocks) {
+                case 1: amx_panel(xm, K, panel, 1, sums); break;
+                case 2: amx_panel(xm, K, panel, 2, sums); break;
+                case 3: amx_panel(xm, K, panel, 3, sums); break;
+                default: amx_panel(xm, K, panel, 4, sums); break;
+            }
+            int64_t n = p * P, ncols = N - n < P ? N - n : P;
+            for (int64_t r = 0; r < m_rows; r++)
+                for (int64_t c = 0; c < ncols; c++)
+                    out[(m0 + r) * N + n + c] = sums[r * P + c] + (bias != NULL ? bias[n + c] : 0.0f);
+        }
+    }
+    release_tiles();
+}
+#else
+int linear_amx_ready(void) { return 0; }
+void linear_amx_use(int on) { (void)on; }
+#endif
+
 /* bfloat16 dot products (AVX512-BF16): x (M, K) and the weights both bfloat16, summed in
  * float32 by `vdpbf16ps`, two k at a time, 16 columns a vector. Where oneDNN has this too, its
  * matmul beat the widening panels above from five rows (twice the multiply-adds an instruction);
@@ -253,6 +361,12 @@ static inline void pair_panel(const uint16_t *x, const uint16_t *pairs, const fl
 /* x: (M, K) bfloat16, K even; pairs as above; bias (N,) float32 or NULL; out (M, N) float32. */
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads) {
+#if AMX_LINEAR
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && threads <= 1 && linear_amx_ready()) {
+        amx_linear(x, pairs, bias, out, M, N, K);
+        return;
+    }
+#endif
     int64_t num_panels = (N + P - 1) / P;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         int64_t m_end = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;

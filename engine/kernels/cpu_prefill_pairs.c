@@ -174,44 +174,15 @@ static inline float row_probs(const float *row, int64_t a, int64_t b, float unit
  * of vp's pairs a B tile of the output (row stride 4 d bytes), a row tile's queries or
  * probabilities an A tile. Rows go in tiles of 16 (BQ is three), d in tiles of 32 (other head
  * sizes keep the dot products); everything else (the online softmax, masks, caps, sinks) is the
- * code above. Linux hands a process the tiles' state only once it asks (arch_prctl); each
- * thread loads the tile configuration before its first tile. */
+ * code above. The permission and the tile shape: cpu_amx.h. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-enum { TR = 16 }; /* rows of a tile */
+#include "cpu_amx.h"
 
 static int amx_wanted = 1; /* prefill_amx_use(0) runs the dot products on an AMX host too */
 
 void prefill_amx_use(int on) { amx_wanted = on; }
 
-/* Whether this process may use the tiles (asked once; the answer does not change). */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
 int prefill_amx_ready(void) { return amx_wanted && amx_permitted(); }
-
-/* Palette 1, all eight tiles 16 rows of 64 bytes: every tile below has that shape. */
-static void configure_tiles(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = TR;
-    _tile_loadconfig(&config);
-}
-
-static void release_tiles(void) { _tile_release(); }
 
 /* score_tile for 16 rows: s[t][0 .. 32) = q_t . k_j, tiles 0-1 the scores, 2 the queries,
  * 3-4 the two 16-key blocks of kp. */

@@ -40,6 +40,9 @@ C_DECODE_MAX_ROWS_BESIDE_ONEDNN = 4
 # Xeon host, bfloat16, one thread, the C step against oneDNN (bench/decode_batch.py):
 # SmolLM2 (hidden 576) at 8 / 16 / 20 / 32 rows 35 / 60 / 70 / 108 ms against 55 / 66 / 69 / 86;
 # Qwen3-0.6B (1024) at 8 / 10 / 12 / 32 rows 141 / 172 / 192 / 441 against 160 / 173 / 179 / 277.
+# Where the pairs multiply in AMX tiles themselves (cpu_linear.c, cpu_kernels.linear_amx_ready)
+# the C step takes every batch: Qwen3-0.6B at 8 / 16 / 32 rows 137 / 170 / 246 ms against
+# oneDNN's 198 / 219 / 305.
 C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX = 10240
 
 
@@ -105,7 +108,7 @@ def use_c_decode_step(model: CausalLM) -> bool:
     elif model.c_decode_pairs:  # mixtures keep the C step (cpu_moe.c; not timed against AMX)
         dense = not any(isinstance(m, SparseMoE) for m in model.modules())
         hidden = model.config.hidden_size
-        amx = dense and cpu_kernels.cpu_has_amx_bf16()
+        amx = dense and cpu_kernels.cpu_has_amx_bf16() and not cpu_kernels.linear_amx_ready()
         max_rows = max(4, C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX // hidden) if amx else 1 << 30
     elif every_layer and all(t.dim() == 3 for t in copies):
         max_rows = C_DECODE_MAX_ROWS_BESIDE_ONEDNN

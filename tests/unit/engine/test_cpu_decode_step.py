@@ -161,21 +161,23 @@ def test_the_c_step_computes_the_python_forward(
 @pytest.mark.skipif(
     not (ONEDNN_BF16 and cpu_kernels.bf16_pairs_available()), reason="no bfloat16 pairs here"
 )
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize(("amx", "own_tiles"), [(False, False), (True, False), (True, True)])
 def test_beside_onednns_amx_tiles_the_c_step_takes_small_batches_only(
-    amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    amx: bool, own_tiles: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where oneDNN multiplies in AMX tiles, a batch past ROWS_X_HIDDEN / hidden rows (at least
-    4) runs layer by layer through oneDNN; elsewhere the C step's pairs take every batch. Panels
-    (float32) take every batch either way."""
+    """Where oneDNN multiplies in AMX tiles and the pairs cannot (linear_amx_ready false), a
+    batch past ROWS_X_HIDDEN / hidden rows (at least 4) runs layer by layer through oneDNN;
+    elsewhere the C step's pairs take every batch. Panels (float32) take every batch either
+    way."""
     from engine.models import cpu_decode
 
     monkeypatch.setattr(cpu_kernels, "cpu_has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "linear_amx_ready", lambda: own_tiles)
     model = random_model("llama", tmp_path, torch.bfloat16, "onednn")
     assert use_c_decode_step(model) and model.c_decode_pairs
     hidden = model.config.hidden_size
     limit = max(4, cpu_decode.C_DECODE_ROWS_X_HIDDEN_BESIDE_AMX // hidden)
-    assert model.c_decode_max_rows == (limit if amx else 1 << 30)
+    assert model.c_decode_max_rows == (limit if amx and not own_tiles else 1 << 30)
     floats = random_model("llama", tmp_path, torch.float32, "panels")
     assert use_c_decode_step(floats) and floats.c_decode_max_rows == 1 << 30
 

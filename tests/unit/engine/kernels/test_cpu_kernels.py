@@ -279,6 +279,38 @@ def test_panel_linear_matches_torch(dtype: torch.dtype, threads: int) -> None:
         torch.set_num_threads(previous)
 
 
+HAS_AMX = {"amx_tile", "amx_bf16"} <= set(cpu_kernels._cpu_flags().decode().split())
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_pairs_available(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize(
+    "amx", [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX"))]
+)
+def test_pair_linear_matches_torch(amx: bool) -> None:
+    """bfloat16 pairs, on AVX512-BF16's dot products or AMX tiles: row counts below the tiles'
+    minimum, whole and partial tiles of 16, four tiles and a fifth, output counts that are not
+    multiples of 16, a K the tiles take (a multiple of 32) and one they leave to the dot
+    products, with and without a bias."""
+    torch.manual_seed(7)
+    cpu_kernels.use_linear_amx(amx)
+    try:
+        assert cpu_kernels.linear_amx_ready() == amx
+        for n, k in [(37, 64), (100, 576), (16, 40)]:
+            weight = torch.randn(n, k).to(torch.bfloat16)
+            pairs = cpu_kernels.pack_pairs(weight)
+            for bias in (None, torch.randn(n)):
+                for rows in (1, 7, 8, 16, 17, 64, 70):
+                    x = torch.randn(rows, k).to(torch.bfloat16)
+                    expected = x.double() @ weight.double().T
+                    if bias is not None:
+                        expected += bias.double()
+                    out = cpu_kernels.pair_linear(x, pairs, bias, n)
+                    assert out.shape == (rows, n) and out.dtype == torch.float32
+                    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    finally:
+        cpu_kernels.use_linear_amx(True)
+
+
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(
     torch.ops.mkldnn._is_mkldnn_bf16_supported()
 )
