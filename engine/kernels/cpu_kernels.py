@@ -394,8 +394,8 @@ def pair_linear(
     x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """x (rows, K) bfloat16 @ weight.T + bias in float32, the weight as `pack_pairs` left it
-    (where bf16_pairs_available); bias float32 or None. One thread: what the C decode step
-    calls for a layer."""
+    (where bf16_pairs_available); bias float32 or None. Runs on torch's thread count: what the
+    C decode step calls for a layer."""
     lib = library()
     assert lib is not None and x.dtype == pairs.dtype == torch.bfloat16
     x = x.contiguous()
@@ -403,7 +403,7 @@ def pair_linear(
     run(
         "pair_linear",
         x.data_ptr(), pairs.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), x.shape[0], out_features, x.shape[1], 1,
+        out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return out
 

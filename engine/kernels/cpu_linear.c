@@ -245,45 +245,58 @@ static inline __attribute__((always_inline)) void amx_panel(const uint16_t *x, i
     if (blocks > 3) _tile_stored(3, sums + 768, 64);
 }
 
-/* pair_linear on tiles, K a multiple of 32, on the calling thread. */
-static void amx_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
-                       int64_t M, int64_t N, int64_t K) {
+/* Rows m0 .. m0 + m_rows - 1 of x (zero rows after them to a multiple of 16) times panel p:
+ * out's columns 16 p .. 16 p + 15. */
+static void amx_rows(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                     int64_t m0, int64_t m_rows, int64_t N, int64_t K, int64_t p) {
+    float sums[AMX_BLOCKS * TR * P];
+    const uint16_t *panel = pairs + p * K * P, *xm = x + m0 * K;
+    switch ((m_rows + TR - 1) / TR) {
+        case 1: amx_panel(xm, K, panel, 1, sums); break;
+        case 2: amx_panel(xm, K, panel, 2, sums); break;
+        case 3: amx_panel(xm, K, panel, 3, sums); break;
+        default: amx_panel(xm, K, panel, 4, sums); break;
+    }
+    int64_t n = p * P, ncols = N - n < P ? N - n : P;
+    for (int64_t r = 0; r < m_rows; r++)
+        for (int64_t c = 0; c < ncols; c++)
+            out[(m0 + r) * N + n + c] = sums[r * P + c] + (bias != NULL ? bias[n + c] : 0.0f);
+}
+
+/* x with its rows made a multiple of 16 (zeros after M): x itself, or a copy kept per thread. */
+static const uint16_t *whole_tiles(const uint16_t *x, int64_t M, int64_t K) {
     static __thread uint16_t *padded;
     static __thread int64_t padded_len;
-    int64_t whole = M / TR * TR, tail = M - whole;
-    const uint16_t *rows = x;
-    if (tail) { /* x with its last rows made 16 */
-        int64_t len = (whole + TR) * K;
-        if (len > padded_len) {
-            free(padded);
-            padded = malloc(sizeof(uint16_t) * len);
-            padded_len = padded != NULL ? len : 0;
-            if (padded == NULL) abort();
-        }
-        memcpy(padded, x, sizeof(uint16_t) * M * K);
-        memset(padded + M * K, 0, sizeof(uint16_t) * (TR - tail) * K);
-        rows = padded;
+    int64_t rows = (M + TR - 1) / TR * TR;
+    if (rows == M) return x;
+    if (rows * K > padded_len) {
+        free(padded);
+        padded = malloc(sizeof(uint16_t) * rows * K);
+        if (padded == NULL) abort();
+        padded_len = rows * K;
     }
-    float sums[AMX_BLOCKS * TR * P];
-    configure_tiles();
-    for (int64_t m0 = 0; m0 < M; m0 += AMX_BLOCKS * TR) {
-        int64_t left = (M - m0 + TR - 1) / TR, m_rows = M - m0 < AMX_BLOCKS * TR ? M - m0 : AMX_BLOCKS * TR;
-        const int blocks = left < AMX_BLOCKS ? (int)left : AMX_BLOCKS;
-        for (int64_t p = 0; p < (N + P - 1) / P; p++) {
-            const uint16_t *panel = pairs + p * K * P, *xm = rows + m0 * K;
-            switch (blocks) {
-                case 1: amx_panel(xm, K, panel, 1, sums); break;
-                case 2: amx_panel(xm, K, panel, 2, sums); break;
-                case 3: amx_panel(xm, K, panel, 3, sums); break;
-                default: amx_panel(xm, K, panel, 4, sums); break;
-            }
-            int64_t n = p * P, ncols = N - n < P ? N - n : P;
-            for (int64_t r = 0; r < m_rows; r++)
-                for (int64_t c = 0; c < ncols; c++)
-                    out[(m0 + r) * N + n + c] = sums[r * P + c] + (bias != NULL ? bias[n + c] : 0.0f);
+    memcpy(padded, x, sizeof(uint16_t) * M * K);
+    memset(padded + M * K, 0, sizeof(uint16_t) * (rows - M) * K);
+    return padded;
+}
+
+/* pair_linear on tiles, K a multiple of 32: up to 64 rows at a time, threads splitting the
+ * panels, each thread with its own tile configuration. */
+static void amx_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
+                       int64_t M, int64_t N, int64_t K, int threads) {
+    const uint16_t *rows = whole_tiles(x, M, K);
+    int64_t num_panels = (N + P - 1) / P;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        configure_tiles();
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_BLOCKS * TR) {
+            int64_t m_rows = M - m0 < AMX_BLOCKS * TR ? M - m0 : AMX_BLOCKS * TR;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < num_panels; p++)
+                amx_rows(rows, pairs, bias, out, m0, m_rows, N, K, p);
         }
+        release_tiles();
     }
-    release_tiles();
 }
 #else
 int linear_amx_ready(void) { return 0; }
@@ -362,8 +375,8 @@ static inline void pair_panel(const uint16_t *x, const uint16_t *pairs, const fl
 void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int threads) {
 #if AMX_LINEAR
-    if (M >= AMX_MIN_ROWS && K % 32 == 0 && threads <= 1 && linear_amx_ready()) {
-        amx_linear(x, pairs, bias, out, M, N, K);
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && linear_amx_ready()) {
+        amx_linear(x, pairs, bias, out, M, N, K, threads);
         return;
     }
 #endif

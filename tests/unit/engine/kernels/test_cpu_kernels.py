@@ -286,13 +286,16 @@ HAS_AMX = {"amx_tile", "amx_bf16"} <= set(cpu_kernels._cpu_flags().decode().spli
 @pytest.mark.parametrize(
     "amx", [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX"))]
 )
-def test_pair_linear_matches_torch(amx: bool) -> None:
-    """bfloat16 pairs, on AVX512-BF16's dot products or AMX tiles: row counts below the tiles'
-    minimum, whole and partial tiles of 16, four tiles and a fifth, output counts that are not
-    multiples of 16, a K the tiles take (a multiple of 32) and one they leave to the dot
-    products, with and without a bias."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pair_linear_matches_torch(amx: bool, threads: int) -> None:
+    """bfloat16 pairs, on AVX512-BF16's dot products or AMX tiles, on one thread or two: row
+    counts below the tiles' minimum, whole and partial tiles of 16, four tiles and a fifth,
+    output counts that are not multiples of 16, a K the tiles take (a multiple of 32) and one
+    they leave to the dot products, with and without a bias."""
     torch.manual_seed(7)
     cpu_kernels.use_linear_amx(amx)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         assert cpu_kernels.linear_amx_ready() == amx
         for n, k in [(37, 64), (100, 576), (16, 40)]:
@@ -309,6 +312,7 @@ def test_pair_linear_matches_torch(amx: bool) -> None:
                     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
     finally:
         cpu_kernels.use_linear_amx(True)
+        torch.set_num_threads(previous)
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(
