@@ -1,12 +1,13 @@
 """A bfloat16 model's decode step at several batch sizes: the C step against oneDNN's layers.
 
 The C decode step (engine/models/cpu_decode.py) runs a decode-only batch as one C call over its
-own copy of the weights (bfloat16 pairs for AVX512-BF16's dot products); without it the same
-batch runs layer by layer through oneDNN's packed matmuls, which multiply in AMX tiles where the
-CPU has them. Which is faster depends on the batch and the CPU: this times both, in process,
-alternately (`c_decode_max_rows` set to the model's own limit, then to 0), one thread, B
-sequences of ~200-token prompts decoding 24 tokens each; the median step with all B decoding.
-Writes JSON (default bench/results/decode_batch.json).
+own copy of the weights (bfloat16 pairs: AVX512-BF16's dot products, or from 8 rows AMX tiles
+where the CPU has them, cpu_linear.c); without it the same batch runs layer by layer through
+oneDNN's packed matmuls, which multiply in AMX tiles where the CPU has them. Which is faster
+depends on the batch and the CPU: this times them in process, alternately (`c_decode_max_rows`
+unlimited, then 0; on an AMX host also the C step with its tiles turned off,
+`c_step_dot_products`), one thread, B sequences of ~200-token prompts decoding 24 tokens each;
+the median step with all B decoding. Writes JSON (default bench/results/decode_batch.json).
 
     .venv/bin/python -m bench.decode_batch --model builtin:qwen3-0.6b-bench --batch 1 8 16 32
 """
@@ -61,13 +62,18 @@ def main() -> None:
     model = engine.runner.model
     own_limit = model.c_decode_max_rows
     assert model.c_decode_pairs, "the C step has no bfloat16 pairs here (no AVX512-BF16)"
+    tiles = cpu_kernels.linear_amx_ready()
     rows: list[dict[str, Any]] = []
     try:
         for batch in args.batch:
-            times: dict[str, list[float]] = {"c_step": [], "onednn": []}
+            paths = [("c_step", 1 << 30, True), ("onednn", 0, True)]
+            if tiles:
+                paths.insert(1, ("c_step_dot_products", 1 << 30, False))
+            times: dict[str, list[float]] = {path: [] for path, _, _ in paths}
             for repeat in range(args.repeats):
-                for path, limit in (("c_step", 1 << 30), ("onednn", 0)):
+                for path, limit, amx in paths:
                     model.c_decode_max_rows = limit
+                    cpu_kernels.use_linear_amx(amx)
                     times[path].append(median_step_s(engine, batch, f"{path}-{batch}-{repeat}"))
             row = {"batch": batch, **{p: round(min(t) * 1e3, 1) for p, t in times.items()}}
             row["engine_picks"] = "c_step" if batch <= own_limit else "onednn"
@@ -75,9 +81,11 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     finally:
         model.c_decode_max_rows = own_limit
+        cpu_kernels.use_linear_amx(True)
     result = {
         "cpu": platform.processor() or platform.machine(),
         "amx_bf16": cpu_kernels.cpu_has_amx_bf16(),
+        "c_step_tiles": tiles,
         "model": args.model,
         "c_decode_max_rows": own_limit,
         "step_ms": rows,
