@@ -19,8 +19,9 @@ Layouts:
 Beside oneDNN's bfloat16 layout, the layers keep a second copy for the C decode step (model.py),
 which runs decode-only batches as one call: in cpu_linear.c's bfloat16 pairs where the kernels
 have AVX512-BF16's dot products (SmolLM2, one thread, a step at 1 / 4 / 8 / 32 sequences: 19 /
-24 / 34 / 105 ms, against oneDNN's 27 / 30 / 39 / 103), else in panels for batches of up to
-four (widened to float32, they lose to oneDNN's dot products from five rows).
+24 / 34 / 105 ms, against oneDNN's 27 / 30 / 39 / 103; from 8 rows in AMX tiles where the CPU
+has them), else in panels for batches of up to four (widened to float32, they lose to
+oneDNN's dot products from five rows).
 - "quantized": a weight-only quantized matrix (a GGUF file's; engine/quant/weight.py) kept as
   stored and packed for its kernel: cpu_quant.c on the CPU, Triton's quant_matmul on a GPU;
   where neither runs (no C compiler), dequantized to the model's dtype at load.
