@@ -661,20 +661,6 @@ void prefill_pairs(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v
                    int64_t block_size, int64_t block_stride, float scale, int64_t window,
                    float soft_cap, const float *sinks, void *scratch, int amx);
 
-/* This thread's scratch of at least `bytes`, kept between calls (NULL: no memory). A malloc of
- * megabytes is a fresh mmap whose pages the kernel zeroes at first touch: on every layer's
- * call, 7% of a 4k-token prefill's attention. Grows to the longest prompt's need, then stays. */
-static void *thread_scratch(int64_t bytes) {
-    static __thread void *held = NULL;
-    static __thread int64_t held_bytes = 0;
-    if (bytes > held_bytes) {
-        free(held);
-        held = malloc(bytes);
-        held_bytes = held != NULL ? bytes : 0;
-    }
-    return held;
-}
-
 /* paged_prefill for a bfloat16 model's queries over a bfloat16 cache, by cpu_prefill_pairs.c (a
  * task per (sequence, KV head)): q, out (num_tokens, num_heads, d) bfloat16, d a multiple of
  * 16; the rest as paged_prefill's. Only where prefill_pairs_available(). */

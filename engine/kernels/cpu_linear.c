@@ -263,18 +263,13 @@ static void amx_rows(const uint16_t *x, const uint16_t *pairs, const float *bias
             out[(m0 + r) * N + n + c] = sums[r * P + c] + (bias != NULL ? bias[n + c] : 0.0f);
 }
 
-/* x with its rows made a multiple of 16 (zeros after M): x itself, or a copy kept per thread. */
+/* x with its rows made a multiple of 16 (zeros after M): x itself, or a copy in this thread's
+ * scratch. */
 static const uint16_t *whole_tiles(const uint16_t *x, int64_t M, int64_t K) {
-    static __thread uint16_t *padded;
-    static __thread int64_t padded_len;
     int64_t rows = (M + TR - 1) / TR * TR;
     if (rows == M) return x;
-    if (rows * K > padded_len) {
-        free(padded);
-        padded = malloc(sizeof(uint16_t) * rows * K);
-        if (padded == NULL) abort();
-        padded_len = rows * K;
-    }
+    uint16_t *padded = thread_scratch(sizeof(uint16_t) * rows * K);
+    if (padded == NULL) abort(); /* pair_linear has no error to return */
     memcpy(padded, x, sizeof(uint16_t) * M * K);
     memset(padded + M * K, 0, sizeof(uint16_t) * (rows - M) * K);
     return padded;
