@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -266,20 +267,34 @@ def test_panel_linear_matches_torch(dtype: torch.dtype, threads: int) -> None:
             weight = torch.randn(n, k).to(dtype)
             panels = cpu_kernels.pack_panels(weight)
             assert panels.shape == ((n + 15) // 16, k, 16)
-            for bias in (None, torch.randn(n)):
-                for rows in (1, 2, 5, 6, 13, 50, 101):
-                    x = torch.randn(rows, k)
-                    expected = x.double() @ weight.double().T
-                    if bias is not None:
-                        expected += bias.double()
-                    out = cpu_kernels.panel_linear(x, panels, bias, n)
-                    assert out.shape == (rows, n) and out.dtype == torch.float32
-                    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+            assert_rows_match(cpu_kernels.panel_linear, panels, weight, (1, 2, 5, 6, 13, 50, 101),
+                              torch.float32)  # fmt: skip
     finally:
         torch.set_num_threads(previous)
 
 
-HAS_AMX = {"amx_tile", "amx_bf16"} <= set(cpu_kernels._cpu_flags().decode().split())
+def assert_rows_match(
+    linear: Callable[..., torch.Tensor],
+    packed: torch.Tensor,
+    weight: torch.Tensor,
+    row_counts: tuple[int, ...],
+    x_dtype: torch.dtype,
+) -> None:
+    """`linear(x, packed, bias, n)` against x @ weight.T + bias in float64, for random x of each
+    row count, with and without a random bias."""
+    n, k = weight.shape
+    for bias in (None, torch.randn(n)):
+        for rows in row_counts:
+            x = torch.randn(rows, k).to(x_dtype)
+            expected = x.double() @ weight.double().T
+            if bias is not None:
+                expected += bias.double()
+            out = linear(x, packed, bias, n)
+            assert out.shape == (rows, n) and out.dtype == torch.float32
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+HAS_AMX = cpu_kernels.cpu_has_amx_bf16()
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_pairs_available(), reason="no AVX512-BF16 here")
@@ -301,15 +316,8 @@ def test_pair_linear_matches_torch(amx: bool, threads: int) -> None:
         for n, k in [(37, 64), (100, 576), (16, 40)]:
             weight = torch.randn(n, k).to(torch.bfloat16)
             pairs = cpu_kernels.pack_pairs(weight)
-            for bias in (None, torch.randn(n)):
-                for rows in (1, 7, 8, 16, 17, 64, 70):
-                    x = torch.randn(rows, k).to(torch.bfloat16)
-                    expected = x.double() @ weight.double().T
-                    if bias is not None:
-                        expected += bias.double()
-                    out = cpu_kernels.pair_linear(x, pairs, bias, n)
-                    assert out.shape == (rows, n) and out.dtype == torch.float32
-                    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+            assert_rows_match(cpu_kernels.pair_linear, pairs, weight, (1, 7, 8, 16, 17, 64, 70),
+                              torch.bfloat16)  # fmt: skip
     finally:
         cpu_kernels.use_linear_amx(True)
         torch.set_num_threads(previous)
