@@ -69,25 +69,32 @@ class OrchestratorConfig(_Section, frozen=True):
 
 
 # The token budget of one engine step (a prefill chunk plus the batch's decodes) where
-# cluster.yaml leaves it out, by device. A CPU's matmuls run nearly as fast at 512 rows as at
-# 2048, so smaller chunks let prompts that arrive together get their first tokens one after
-# another instead of all at the end (SmolLM2, 8 prompts of 128-256 tokens at once, float32: TTFT
-# p50 2.3 s against 3.2-3.8, all done in the same time). Each further chunk of one long prompt
-# reads the weights again: Qwen3-0.6B's 1k-token prefill is 1.60 s in one step, 1.77 s in two
-# (bench/README.md), which long-prompt deployments trade back with 2048.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# cluster.yaml leaves it out, by device: vLLM's CPU and GPU servers' 2048. Each chunk of one
+# long prompt reads all the weights again: Qwen3-0.6B's 1,365-token prefill is 1.98 s in one
+# step and 2.38 s in chunks of 512 (bench/README.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 2048}
+# Where cluster.yaml leaves it out: a step starts prompt chunks only while it holds fewer tokens
+# than this (engine/scheduler.py; the chunk that crosses it runs on, up to the budget above). A
+# CPU's matmuls run nearly as fast at 512 rows as at 2048, so prompts that arrive together get
+# their first tokens one after another instead of all at the end (SmolLM2, 8 prompts of 128-256
+# tokens at once, float32: TTFT p50 2.3 s against 3.2-3.8, all done in the same time). None:
+# the budget (a GPU's matmuls are faster the more rows they have).
+DEFAULT_STEP_FILL_TOKENS = {"cpu": 512, "cuda": None}
 
 
-class ContextWorkersConfig(_Section, frozen=True):
+class _EngineWorkersConfig(_Section, frozen=True):
     count: Positive = 1
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
+    step_fill_tokens: Positive | None = None  # None: DEFAULT_STEP_FILL_TOKENS
 
 
-class GenerationWorkersConfig(_Section, frozen=True):
-    count: Positive = 1
-    max_num_seqs: Positive = 64
-    max_num_batched_tokens: Positive | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
+class ContextWorkersConfig(_EngineWorkersConfig, frozen=True):
+    pass
+
+
+class GenerationWorkersConfig(_EngineWorkersConfig, frozen=True):
+    pass
 
 
 class PostprocWorkersConfig(_Section, frozen=True):
@@ -255,6 +262,12 @@ class ClusterConfig(_Section, frozen=True):
         builtin_model(self.model)  # an unknown builtin:... name is a ValueError naming them all
         if self.port_range is not None and not self.port_range[0] < self.port_range[1]:
             raise ValueError(f"port_range must be [low, high] with low < high: {self.port_range}")
+        for name in ("context_workers", "generation_workers"):
+            workers = getattr(self, name)
+            budget = workers.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device]
+            if workers.step_fill_tokens is not None and workers.step_fill_tokens > budget:
+                raise ValueError(f"{name}.step_fill_tokens ({workers.step_fill_tokens}) is more "
+                                 f"than its max_num_batched_tokens ({budget})")  # fmt: skip
 
 
 def context_length(

@@ -29,6 +29,9 @@ class EngineConfig:
     max_num_batched_tokens: int = (
         2048  # token budget of one step; smaller means smaller prefill chunks
     )
+    # a step starts prompt chunks only while it holds fewer tokens (engine/scheduler.py); None:
+    # max_num_batched_tokens
+    step_fill_tokens: int | None = None
     # None: the model's max_position_embeddings, capped at the cache (common.config.context_length)
     max_model_len: int | None = None
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
@@ -50,6 +53,13 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.step_fill_tokens is not None and not (
+            1 <= self.step_fill_tokens <= self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                "step_fill_tokens must be between 1 and max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), got {self.step_fill_tokens}"
+            )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError("attention_backend must be auto, torch, cpu or triton")
         if self.quantization not in QUANTIZATIONS:

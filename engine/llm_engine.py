@@ -146,6 +146,7 @@ class LLMEngine:
             self.max_model_len,
             config.speculative,
             self._draft_proposer(),
+            config.step_fill_tokens,
         )
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.kv, config.attention_backend, config.device,

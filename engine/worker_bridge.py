@@ -11,6 +11,7 @@ import zmq
 
 from common.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_STEP_FILL_TOKENS,
     ClusterConfig,
     ContextWorkersConfig,
     GenerationWorkersConfig,
@@ -26,14 +27,17 @@ from engine.ucx_network import ucx_environment
 
 def engine_config(
     config: ClusterConfig,
-    max_num_seqs: int,
-    max_num_batched_tokens: int | None,
+    workers: ContextWorkersConfig | GenerationWorkersConfig,
     decodes: bool = True,
 ) -> EngineConfig:
     """`decodes`: the engine decodes past the first token (a generation worker, aggregated or
     not); a context worker's does not, and loads no draft model nor captures decode graphs."""
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[config.device]
+    max_num_batched_tokens = (
+        workers.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[config.device]
+    )
+    step_fill_tokens = workers.step_fill_tokens
+    if step_fill_tokens is None and (default := DEFAULT_STEP_FILL_TOKENS[config.device]):
+        step_fill_tokens = min(default, max_num_batched_tokens)  # a smaller budget set wins
     return EngineConfig(
         model=config.model,
         dtype=config.dtype,
@@ -47,8 +51,9 @@ def engine_config(
         lora=config.lora,
         speculative=config.speculative if decodes else None,
         cuda_graphs=decodes,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=workers.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        step_fill_tokens=step_fill_tokens,
         max_model_len=config.max_model_len,
     )
 
@@ -62,9 +67,7 @@ def build_engine(
         torch.set_num_threads(place_engine(config, worker_id))
     os.environ.update(ucx_environment(config.internal_host, config.port_range))
     decodes = isinstance(workers, GenerationWorkersConfig)
-    engine = LLMEngine(
-        engine_config(config, workers.max_num_seqs, workers.max_num_batched_tokens, decodes)
-    )
+    engine = LLMEngine(engine_config(config, workers, decodes))
     kv_cache = engine.kv_cache
     agent = KVTransferAgent(
         f"{worker_id}-{os.getpid()}", kv_cache.pool, kv_cache.block_num_bytes, kv_cache.layout

@@ -12,8 +12,11 @@ from engine.sequence import Sequence, SequenceStatus
 BLOCK = 4
 
 
-def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK), max_num_seqs, budget, max_model_len=256)
+def scheduler(
+    num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, fill: int | None = None
+) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BLOCK), max_num_seqs, budget, max_model_len=256,
+                     step_fill_tokens=fill)  # fmt: skip
 
 
 def seq(seq_id: str, priority: int = 0, prompt_len: int = 8) -> Sequence:
@@ -27,6 +30,10 @@ def seq(seq_id: str, priority: int = 0, prompt_len: int = 8) -> Sequence:
 
 def scheduled(out: SchedulerOutput) -> list[str]:
     return [chunk.seq.seq_id for chunk in out.chunks]
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(chunk.seq.seq_id, chunk.num_new_tokens) for chunk in out.chunks]
 
 
 def run(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -118,6 +125,50 @@ def test_a_long_prompt_is_chunked_by_the_budget_and_decodes_go_first() -> None:
         assert [c.samples for c in out.chunks] == [True, long_samples]
         run(sched, out)
     assert sched.running[1].num_computed_tokens == 23 and sched.running[1].output_token_ids == [7]
+
+
+def test_prompt_chunks_start_only_below_the_fill_and_the_one_crossing_it_runs_whole() -> None:
+    """Budget 64, fill 10: short prompts share a step until it holds 10 prompt tokens (first
+    tokens one step after another); the prompt that crosses 10 is not cut there but runs on
+    within the budget; a prompt longer than the budget is chunked by the budget."""
+    sched = scheduler(num_blocks=64, budget=64, fill=10)
+    for name, length in (("a", 4), ("b", 4), ("long", 30), ("c", 4)):
+        sched.add(seq(name, prompt_len=length))
+    out = sched.schedule()  # a, b (8 tokens), then long crosses 10 and runs whole: c waits
+    assert chunks(out) == [("a", 4), ("b", 4), ("long", 30)]
+    run(sched, out)
+    out = sched.schedule()  # three decodes, then c's prompt
+    assert chunks(out) == [("a", 1), ("b", 1), ("long", 1), ("c", 4)]
+    run(sched, out)
+    sched.add(seq("late", prompt_len=80))
+    out = sched.schedule()  # four decodes, then late's first chunk: the budget's 60 tokens left
+    assert chunks(out)[-1] == ("late", 60)
+    run(sched, out)
+    sched.add(seq("later", prompt_len=4))
+    out = sched.schedule()  # late's rest (20) crosses the fill: later waits for the next step
+    assert chunks(out)[-1] == ("late", 20) and "later" not in scheduled(out)
+    run(sched, out)
+    assert chunks(sched.schedule())[-1] == ("later", 4)
+
+
+def test_decodes_never_keep_a_prompt_from_starting_and_run_behind_one_that_waits() -> None:
+    """Fill 3 with more decodes than that: prompts still start (only prompt tokens count);
+    a prompt part way waits once the step holds 3 prompt tokens, and the decode queued behind
+    it runs all the same."""
+    sched = scheduler(num_blocks=64, budget=64, fill=3)
+    for name, priority in (("d1", 9), ("d2", 9), ("d3", 9), ("d4", -1)):
+        sched.add(seq(name, priority, prompt_len=2))
+    run(sched, sched.schedule())  # d1, d2 (4 prompt tokens): the rest wait
+    run(sched, sched.schedule())  # d1, d2 decode; d3 starts (2 < 3), d4 too (crossing)
+    assert [s.seq_id for s in sched.running] == ["d1", "d2", "d3", "d4"]
+    sched.add(seq("p", 0, prompt_len=100))  # between the decodes in the queue; past the budget
+    out = sched.schedule()
+    assert chunks(out) == [("d1", 1), ("d2", 1), ("d3", 1), ("d4", 1), ("p", 60)]
+    run(sched, out)
+    sched.add(seq("q", 0, prompt_len=4))
+    out = sched.schedule()  # p's rest (40) crosses the fill: q waits
+    assert chunks(out) == [("d1", 1), ("d2", 1), ("d3", 1), ("p", 40), ("d4", 1)]
+    run(sched, out)
 
 
 def test_a_prompt_with_a_cached_prefix_is_admitted_past_its_cached_blocks() -> None:
