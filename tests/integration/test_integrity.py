@@ -28,7 +28,7 @@ def cluster(start_cluster) -> Cluster:
         "disaggregated",
         # one step prefills everything queued: 24 prompts of 1.5k tokens (36k tokens, room in
         # the pool for all of them) make it last seconds, twice the timeout on this project's VM
-        extra="context_workers: {max_num_batched_tokens: 40960}\n",
+        extra="context_workers: {max_num_batched_tokens: 40960, step_fill_tokens: 40960}\n",
         kv_cache="num_blocks: 3072",
         orchestrator=f"router: round_robin, worker_timeout_seconds: {WORKER_TIMEOUT_S}, "
         "heartbeat_interval_seconds: 0.2",
