@@ -92,8 +92,7 @@ class Scheduler:
         self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.step_fill_tokens = min(step_fill_tokens or max_num_batched_tokens,
-                                    max_num_batched_tokens)  # fmt: skip
+        self.step_fill_tokens = step_fill_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # by Sequence.queue_key
         self.running: list[Sequence] = []  # by Sequence.queue_key
@@ -229,7 +228,8 @@ class Scheduler:
         512: 2.38 s on the Xeon host, bench/README.md)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        prompt_room = self.step_fill_tokens  # >= budget's tokens left: fill None changes nothing
+        # never below the budget left when the fill is the budget (or more): then no change
+        prompt_room = self.step_fill_tokens
         drafts = self._drafts()
         i = 0
         while i < len(self.running) and budget > 0:
