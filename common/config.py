@@ -57,6 +57,12 @@ class OrchestratorConfig(_Section, frozen=True):
     bind: ZmqAddress | None = None  # what the orchestrator binds, if not `address` (tcp://*:5550)
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
     max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 0  # shorter prompts skip P/D
+    # Load-aware prefill deflection (Dynamo's conditional disaggregation): once every context
+    # worker holds this many prefills (running or queued), a new prompt is prefilled by a
+    # generation worker instead, if one has fewer prompts waiting than the shortest context
+    # queue. Under a backlog the generation workers' spare steps take prompts the context
+    # workers would only queue (bench/README.md); 0: never.
+    max_prefill_queue_size: Annotated[int, msgspec.Meta(ge=0)] = 2
     heartbeat_interval_seconds: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     worker_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # silent longer: dead
     # A live worker whose loop has not finished a step for this long is `stalled`: reported, kept,

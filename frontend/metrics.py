@@ -156,6 +156,13 @@ WORKER_FAMILIES: list[tuple[type, str, str, Callable[[WorkerInfo], float | None]
     (_C, "pdcluster_decode_tokens", "Tokens sampled", lambda w: _engine(w, w.generation_tokens)),
     (
         _C,
+        "pdcluster_local_prefills",
+        "Prompts sent to this generation worker to prefill itself (aggregated mode, a short "
+        "prompt, no context worker up, or the context workers' queues full)",
+        lambda w: _gen(w, w.local_prefills_routed),
+    ),
+    (
+        _C,
         "pdcluster_spec_decode_num_drafts",
         "Speculative verification steps (a sequence with proposals, one step)",
         lambda w: _engine(w, w.spec_decode_num_drafts),

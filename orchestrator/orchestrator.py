@@ -4,7 +4,8 @@ Request state machine (a request leaves the table when it ends):
 
     queued ──▶ prefilling ──PrefillDone──▶ decoding ──RequestFinished──▶ finished
       │  (context worker)      │  (first token ends it)                   ──RequestFailed──▶ failed
-      └─ aggregated, or a short prompt ─▶ decoding (the generation worker prefills)
+      └─ aggregated, a short prompt, or the context workers' queues full
+                                    ─▶ decoding (the generation worker prefills)
     any state ──Abort (client gone, stop string)──▶ aborted
 
 Retries happen only before the first token: a request whose context worker dies while
@@ -475,7 +476,8 @@ class Orchestrator:
         return True
 
     def prefills_locally(self, record: RequestRecord) -> bool:
-        """Aggregated mode, a short prompt, or no context worker up: skip the hand-off."""
+        """Aggregated mode, a short prompt, no context worker up, or every context worker's
+        queue full: skip the hand-off."""
         if self.config.mode == "aggregated":
             return True
         if record.request.num_prompt_tokens <= self.config.orchestrator.max_local_prefill_length:
@@ -484,7 +486,28 @@ class Orchestrator:
             logger.warning("%s: no context worker is up; prefilling on a generation worker",
                            record.request_id)  # fmt: skip
             return True
-        return False
+        return self.context_backlogged()
+
+    def context_backlogged(self) -> bool:
+        """Load-aware prefill deflection: every context worker holds `max_prefill_queue_size`
+        prefills or more, and some generation worker has fewer prompts waiting than the
+        shortest of those queues. Disaggregation keeps prefills out of the decode steps, but
+        once the context workers are the bottleneck a prompt queued there only waits while
+        the generation workers' steps, memory-bound, would carry its chunks beside their
+        decodes; comparing the queues sends it where it starts sooner (a burst of prompts is
+        dealt out between both sides, not all to one)."""
+        limit = self.config.orchestrator.max_prefill_queue_size
+        if limit == 0:
+            return False
+        # a context worker's request_ids are its prefills: each leaves it at PrefillDone
+        shortest = min(len(w.request_ids) for w in self.registry.routable("context"))
+        if shortest < limit:
+            return False
+        waiting = (
+            w.stats.num_waiting + w.local_prefills_unreported
+            for w in self.registry.routable("generation")
+        )
+        return min(waiting) < shortest
 
     def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
         workers = self.registry.routable("context")
@@ -537,6 +560,9 @@ class Orchestrator:
         )
         record.state = State.DECODING
         self.assign(record, worker, "generation_worker")
+        if prefill is None:
+            worker.local_prefills_routed += 1
+            worker.local_prefills_unreported += 1
         decode = DecodeRequest(
             # a pulled prompt's images stay where it was prefilled: their digests go on
             request=record.engine if prefill is None else record.engine.without_pixels(),

@@ -46,6 +46,10 @@ class WorkerRecord:
     active_tokens: int = 0  # prompt + max_tokens of the requests routed here and not yet ended
     request_ids: set[str] = field(default_factory=set)
     requests_routed: int = 0  # requests assigned here since it registered (a total)
+    # prompts sent here to be prefilled where they decode (a total), and of those the ones sent
+    # since its last heartbeat, which its stats' num_waiting cannot count yet
+    local_prefills_routed: int = 0
+    local_prefills_unreported: int = 0
     drain_in_flight_told: int | None = None  # draining: the Drain.in_flight last sent to it
 
     @property
@@ -71,6 +75,7 @@ class WorkerRecord:
             address=self.address,
             state=self.state,
             requests_routed=self.requests_routed,
+            local_prefills_routed=self.local_prefills_routed,
             events_address=self.events_address,
             last_heartbeat_s=round(now - self.last_seen, 3),
             progress_age_s=self.progress_age_s,
@@ -121,6 +126,7 @@ class Registry:
         worker.progress_age_s = message.progress_age_s
         if message.stats is not None:
             worker.stats = message.stats
+            worker.local_prefills_unreported = 0
         if worker.draining:
             return worker  # until it leaves: progress or not, it takes no new work
         state = "stalled" if message.progress_age_s > self.stall_timeout_s else "ready"

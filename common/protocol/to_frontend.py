@@ -59,6 +59,7 @@ class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
     progress_age_s: float = 0.0  # since its loop last finished a step
     events_address: str = ""  # its KV-event PUB socket, if it publishes
     requests_routed: int = 0  # requests the orchestrator assigned to it, in all
+    local_prefills_routed: int = 0  # prompts it was sent to prefill itself, in all
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
 
 

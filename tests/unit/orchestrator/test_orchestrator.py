@@ -36,6 +36,7 @@ from common.protocol import (
     RequestFailed,
     RequestFinished,
     TokenDelta,
+    WorkerStats,
     encode_token_ids,
     unpack_postproc_start,
 )
@@ -217,7 +218,8 @@ def test_a_generation_worker_behind_on_peers_is_sent_them_again() -> None:
 
 
 def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
-    orch = cluster(contexts=2)
+    # concurrent prefills, each to a context worker: no deflection
+    orch = cluster("orchestrator: {max_prefill_queue_size: 0}", contexts=2)
     stall_s = orch.config.orchestrator.stall_timeout_seconds
     heartbeat(orch, "ctx-0", 1.0, progress_age_s=stall_s + 1)  # alive, its loop stuck
     assert orch.registry.workers["ctx-0"].state == "stalled"
@@ -287,7 +289,8 @@ def test_a_draining_worker_gets_no_new_work_but_keeps_its_requests() -> None:
 
 
 def test_a_draining_context_worker_stays_a_kv_peer_until_it_leaves() -> None:
-    orch = cluster(contexts=2)
+    # concurrent prefills, each to a context worker: no deflection
+    orch = cluster("orchestrator: {max_prefill_queue_size: 0}", contexts=2)
     orch.handle(b"cli", Drain(worker_id="ctx-0"), 0.0)
     assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
     for i in range(3):
@@ -393,6 +396,42 @@ def test_aggregated_mode_and_short_prompts_prefill_on_the_generation_worker(
     orch = cluster(yaml)
     to, message = only(orch.handle(FRONTEND, generate(num_tokens=num_tokens), 0.0))
     assert to == b"gen-0" and isinstance(message, DecodeRequest) and message.prefill is None
+
+
+def test_prompts_past_full_context_queues_are_dealt_to_the_generation_worker() -> None:
+    """Load-aware deflection (max_prefill_queue_size, 2 by default): with both context
+    workers holding two prefills, a prompt goes to the generation worker while fewer prompts
+    wait there than in the shortest context queue, counting those sent since its last
+    heartbeat; a finished prefill or a heartbeat showing its queue drained moves the balance."""
+    orch = cluster(contexts=2)
+    routed = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0)) for i in range(4)]
+    assert sorted(to for to, _ in routed) == [b"ctx-0", b"ctx-0", b"ctx-1", b"ctx-1"]
+    dealt = [only(orch.handle(FRONTEND, generate(f"d{i}"), 0.0)) for i in range(5)]
+    targets = [to for to, _ in dealt]  # each context queue 2, 2, 2, 3, 3 when dealt
+    assert targets[:2] == [b"gen-0", b"gen-0"] and targets[4] == b"gen-0"
+    assert sorted(targets[2:4]) == [b"ctx-0", b"ctx-1"]
+    assert all(isinstance(m, DecodeRequest) and m.prefill is None
+               for to, m in dealt if to == b"gen-0")  # fmt: skip
+    heartbeat(orch, "gen-0", 1.0, stats=WorkerStats(num_waiting=3))  # all three still queued
+    to, _ = only(orch.handle(FRONTEND, generate("e0"), 1.0))
+    assert to in (b"ctx-0", b"ctx-1")  # 3 waiting there, 3 in each context queue
+    heartbeat(orch, "gen-0", 2.0, stats=WorkerStats(num_waiting=0))  # its prompts started
+    to, _ = only(orch.handle(FRONTEND, generate("e1"), 2.0))
+    assert to == b"gen-0"
+    _, info = only(orch.handle(b"cli", ClusterInfoRequest(), 2.0))
+    gen = [w for w in info.workers if w.worker_id == "gen-0"][0]
+    assert gen.local_prefills_routed == 4
+
+
+def test_prefills_are_deflected_only_past_the_queue_size_and_never_at_zero() -> None:
+    orch = cluster("orchestrator: {max_prefill_queue_size: 3}")
+    targets = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(4)]
+    assert targets == [b"ctx-0", b"ctx-0", b"ctx-0", b"gen-0"]
+    orch.handle(b"ctx-0", prefill_done("r0"), 0.0)  # two left there: below the limit again
+    assert only(orch.handle(FRONTEND, generate("r4"), 0.0))[0] == b"ctx-0"
+    never = cluster("orchestrator: {max_prefill_queue_size: 0}")
+    targets = [only(never.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(8)]
+    assert set(targets) == {b"ctx-0"}
 
 
 def test_abort_goes_to_the_worker_that_holds_the_request() -> None:

@@ -1,0 +1,92 @@
+"""Load-aware prefill deflection (orchestrator.max_prefill_queue_size), from outside: with the
+context worker frozen (SIGSTOP, within the worker timeout, so it still counts as up) the two
+prompts queued there wait, and the next ones are prefilled by the generation worker and answered
+with Hugging Face's greedy text instead of queueing behind them. Once the context worker resumes
+the two queued prompts finish too, and no KV block or request entry is left anywhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.integration.harness import MODEL, Cluster, hf_greedy_texts
+from tests.integration.test_observability import metrics
+from tools.tiny_model.build import TEST_PROMPTS
+
+MAX_NEW = 16
+QUEUE_SIZE = 2  # max_prefill_queue_size's default
+
+
+@pytest.fixture(scope="module")
+def hf_texts(tiny_model_path: Path) -> dict[str, str]:
+    return hf_greedy_texts(tiny_model_path, TEST_PROMPTS, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster) -> Cluster:
+    # a frozen worker is dead only after a minute here: the test ends well before
+    return start_cluster(
+        "disaggregated", orchestrator="router: kv_aware, worker_timeout_seconds: 60"
+    )
+
+
+def complete(cluster: Cluster, prompt: str) -> str:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", timeout=60, max_retries=0)
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW,
+                                       temperature=0)  # fmt: skip
+    return answer.choices[0].text
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def wait_heartbeat(cluster: Cluster, role: str) -> None:
+    """Until each worker of `role` has sent its stats since this call: the orchestrator's view
+    of its queue is then current."""
+    start = time.monotonic()
+    wait_for(lambda: all(w.last_heartbeat_s < time.monotonic() - start
+                         for w in cluster.workers(role)), 10, f"{role} heartbeat")  # fmt: skip
+
+
+def test_prompts_past_a_stuck_context_queue_are_prefilled_where_they_decode(
+    cluster: Cluster, hf_texts: dict[str, str]
+) -> None:
+    (context,) = cluster.workers("context")
+    (generation,) = cluster.workers("generation")
+    deflected_before = generation.local_prefills_routed
+    os.kill(context.pid, signal.SIGSTOP)
+    pool = ThreadPoolExecutor(QUEUE_SIZE)
+    try:
+        queued = [pool.submit(complete, cluster, p) for p in TEST_PROMPTS[:QUEUE_SIZE]]
+        target = context.requests_routed + QUEUE_SIZE
+        wait_for(lambda: cluster.workers("context")[0].requests_routed == target, 10,
+                 "queued at the context worker")  # fmt: skip
+        # one at a time, each once the generation worker has reported its queue empty again
+        deflected = TEST_PROMPTS[QUEUE_SIZE:]
+        for prompt in deflected:
+            wait_heartbeat(cluster, "generation")
+            assert complete(cluster, prompt) == hf_texts[prompt], prompt
+        assert not any(f.done() for f in queued)  # still behind the frozen worker
+        routed = cluster.workers("generation")[0].local_prefills_routed
+        assert routed - deflected_before == len(deflected)
+        scraped = metrics(cluster)["pdcluster_local_prefills_total"]
+        assert scraped[(generation.worker_id, "generation")] == routed
+    finally:
+        os.kill(context.pid, signal.SIGCONT)
+        pool.shutdown(wait=False)
+    for prompt, future in zip(TEST_PROMPTS, queued, strict=False):
+        assert future.result(timeout=60) == hf_texts[prompt], prompt
+    info = cluster.wait_idle()
+    for worker in (w for w in info.workers if w.role in ("context", "generation")):
+        assert (worker.blocks_used, worker.blocks_leased, worker.active_requests) == (0, 0, 0)
+    assert info.num_requests == 0
