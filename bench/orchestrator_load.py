@@ -88,10 +88,7 @@ class OrchestratorProcess:
         self.address = f"tcp://127.0.0.1:{free_port()}"
         config = workdir / "cluster.yaml"
         config.write_text(
-            # every request through the hand-off, the path measured: the simulated context
-            # workers' queues fill at saturation, which would deflect prompts past them
-            f'orchestrator: {{address: "{self.address}", router: kv_aware, '
-            "max_prefill_queue_size: 0}\n"
+            f'orchestrator: {{address: "{self.address}", router: kv_aware}}\n'
             f"kv_cache: {{block_size: {BLOCK_SIZE}}}\n"
             f"security: {{keys_dir: {workdir / 'keys'}}}\n"
             "cpu: {pin: false}\n"  # pinned here instead, to one core

@@ -302,6 +302,7 @@ def start(
     workdir: Path,
     profile_dir: Path | None = None,
     workload: Workload = Workload(),
+    orchestrator_keys: str = "",
 ) -> VllmServer | LlamaCppServer | Cluster:
     if system == "vllm":
         return VllmServer(bin_dir, target.model, target.model_dir, target.dtype, workdir,
@@ -312,7 +313,8 @@ def start(
         gguf = gguf_file(target.model_dir)
         return LlamaCppServer(llamacpp, system, target.model, gguf, workdir)
     return Cluster(target.model, "cpu", system, workdir, dtype=target.cluster_dtype,
-                   profile_dir=profile_dir, kv_cache_dtype=target.kv_cache_dtype)  # fmt: skip
+                   profile_dir=profile_dir, kv_cache_dtype=target.kv_cache_dtype,
+                   orchestrator_keys=orchestrator_keys)  # fmt: skip
 
 
 # --- profiles -------------------------------------------------------------------------------------
@@ -334,7 +336,8 @@ def profile_servers(args: argparse.Namespace, bin_dir: Path, target: Target, sys
         for server in systems:  # those with a torch profiler: vLLM and the clusters
             print(f"[peers] {model} {dtype} profile at {level}: {server}", flush=True)
             profile_dir = workdir / f"profile-{server}-{dtype}-{level}"
-            running = start(server, target, bin_dir, None, workdir, profile_dir, args.workload)
+            running = start(server, target, bin_dir, None, workdir, profile_dir, args.workload,
+                            args.orchestrator)  # fmt: skip
             try:
                 bench_serve(bin_dir, running.url, model, model_dir, level, seed=7, workdir=workdir,
                             workload=args.workload)  # fmt: skip
@@ -601,6 +604,9 @@ def main() -> None:
                         help="prompt tokens, each prompt within a third of it")  # fmt: skip
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="tokens of a prefix every prompt shares, before its own")  # fmt: skip
+    parser.add_argument("--orchestrator", default="",
+                        help="keys added to the clusters' orchestrator section, as YAML "
+                             "('max_prefill_queue_size: 0'); written to the results")  # fmt: skip
     args = parser.parse_args()
     args.workload = Workload(args.input_len, args.prefix_len)
     systems = [*args.peers, *args.servers]
@@ -629,6 +635,8 @@ def main() -> None:
                     cache = KvRead(kv_bytes_per_token(target), args.workload.mean_context)
                     summary = summarize(runs, args.concurrency, weights, read_gb_s, cache)
                     summary["repeats"] = args.repeats
+                    if args.orchestrator:
+                        summary["orchestrator"] = args.orchestrator
                     if target.gguf is not None and set(chosen) & set(OURS):
                         summary["cluster_dtype"] = target.cluster_dtype  # the activations'
                         summary["cluster_kv_cache_dtype"] = target.kv_cache_dtype
@@ -661,7 +669,8 @@ def run_target(
         k = repeat % len(systems)
         for system in systems[k:] + systems[:k]:
             print(f"[peers] {target.model} {target.dtype} repeat {repeat}: {system}", flush=True)
-            running = start(system, target, bin_dir, llamacpp, workdir, workload=args.workload)
+            running = start(system, target, bin_dir, llamacpp, workdir, workload=args.workload,
+                            orchestrator_keys=args.orchestrator)  # fmt: skip
             try:
                 for c in args.concurrency:
                     counted = _tokens_generated(running)

@@ -114,14 +114,18 @@ class Cluster:
         dtype: str | None = None,
         profile_dir: Path | None = None,
         kv_cache_dtype: str = "auto",
+        orchestrator_keys: str = "",
     ) -> None:
+        """`orchestrator_keys`: more keys for cluster.yaml's orchestrator section (an
+        ablation's, as "max_prefill_queue_size: 0")."""
         self.port = free_port()
+        orchestrator = ", ".join(filter(None, ["router: kv_aware", orchestrator_keys]))
         config = workdir / f"cluster-{mode}.yaml"
         dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
         config.write_text(
             f"model: {model}\nmode: {mode}\ndevice: {device}\ndtype: {dtype}\n"
             f"frontend: {{port: {self.port}}}\n"
-            f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", router: kv_aware}}\n'
+            f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", {orchestrator}}}\n'
             "generation_workers: {max_num_seqs: 64}\n"
             f"kv_cache: {{block_size: 16, num_blocks: 4096, dtype: {kv_cache_dtype}}}\n"
             + (f"profiler: {{dir: {profile_dir}}}\n" if profile_dir else "")

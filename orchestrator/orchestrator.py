@@ -4,7 +4,7 @@ Request state machine (a request leaves the table when it ends):
 
     queued ──▶ prefilling ──PrefillDone──▶ decoding ──RequestFinished──▶ finished
       │  (context worker)      │  (first token ends it)                   ──RequestFailed──▶ failed
-      └─ aggregated, a short prompt, or the context workers' queues full
+      └─ aggregated, a short prompt, or (max_prefill_queue_size) the context queues full
                                     ─▶ decoding (the generation worker prefills)
     any state ──Abort (client gone, stop string)──▶ aborted
 
@@ -492,10 +492,11 @@ class Orchestrator:
         """Load-aware prefill deflection: every context worker holds `max_prefill_queue_size`
         prefills or more, and some generation worker has fewer prompts waiting than the
         shortest of those queues. Disaggregation keeps prefills out of the decode steps, but
-        once the context workers are the bottleneck a prompt queued there only waits while
-        the generation workers' steps, memory-bound, would carry its chunks beside their
+        once the context workers are the bottleneck a prompt queued there only waits, where
+        the generation workers' memory-bound steps could carry its chunks beside their
         decodes; comparing the queues sends it where it starts sooner (a burst of prompts is
-        dealt out between both sides, not all to one)."""
+        dealt out between both sides, not all to one). Where the decode steps are the
+        bottleneck instead it costs throughput, so it is off unless configured."""
         limit = self.config.orchestrator.max_prefill_queue_size
         if limit == 0:
             return False

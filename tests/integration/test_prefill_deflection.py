@@ -20,7 +20,7 @@ from tests.integration.test_observability import metrics
 from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 16
-QUEUE_SIZE = 2  # max_prefill_queue_size's default
+QUEUE_SIZE = 2
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,8 @@ def hf_texts(tiny_model_path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster(start_cluster) -> Cluster:
     # a frozen worker is dead only after a minute here: the test ends well before
-    return start_cluster(
-        "disaggregated", orchestrator="router: kv_aware, worker_timeout_seconds: 60"
-    )
+    keys = f"router: kv_aware, worker_timeout_seconds: 60, max_prefill_queue_size: {QUEUE_SIZE}"
+    return start_cluster("disaggregated", orchestrator=keys)
 
 
 def complete(cluster: Cluster, prompt: str) -> str:

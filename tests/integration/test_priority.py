@@ -25,10 +25,7 @@ def cluster(start_cluster) -> Cluster:
         "context_workers: {max_num_seqs: 1, max_num_batched_tokens: 8}\n"
         "generation_workers: {max_num_seqs: 4}\n"
     )
-    # every prompt queues at the context worker, whose order is the one tested: deflected past
-    # its queue, half the low-priority prompts would be prefilled beside it, not after it
-    orchestrator = "router: kv_aware, worker_timeout_seconds: 5, max_prefill_queue_size: 0"
-    return start_cluster("disaggregated", extra=extra, orchestrator=orchestrator)
+    return start_cluster("disaggregated", extra=extra)
 
 
 async def first_token_s(client: openai.AsyncOpenAI, priority: int, tag: int) -> float:

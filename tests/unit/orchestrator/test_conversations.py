@@ -19,7 +19,7 @@ def prefill_worker(orch, request_id: str, conversation_id: str | None) -> bytes:
 
 
 def test_a_conversation_stays_on_its_context_worker_under_round_robin() -> None:
-    orch = cluster("orchestrator: {max_prefill_queue_size: 0}", contexts=2)  # no deflection
+    orch = cluster(contexts=2)
     orch.context_router = ConversationAffinity(RoundRobinRouter())
     first = prefill_worker(orch, "chatcmpl-1", "conv-a")
     # round robin alone would alternate; the conversation's turns stay where it started

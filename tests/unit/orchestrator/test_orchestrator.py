@@ -218,8 +218,7 @@ def test_a_generation_worker_behind_on_peers_is_sent_them_again() -> None:
 
 
 def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
-    # concurrent prefills, each to a context worker: no deflection
-    orch = cluster("orchestrator: {max_prefill_queue_size: 0}", contexts=2)
+    orch = cluster(contexts=2)
     stall_s = orch.config.orchestrator.stall_timeout_seconds
     heartbeat(orch, "ctx-0", 1.0, progress_age_s=stall_s + 1)  # alive, its loop stuck
     assert orch.registry.workers["ctx-0"].state == "stalled"
@@ -289,8 +288,7 @@ def test_a_draining_worker_gets_no_new_work_but_keeps_its_requests() -> None:
 
 
 def test_a_draining_context_worker_stays_a_kv_peer_until_it_leaves() -> None:
-    # concurrent prefills, each to a context worker: no deflection
-    orch = cluster("orchestrator: {max_prefill_queue_size: 0}", contexts=2)
+    orch = cluster(contexts=2)
     orch.handle(b"cli", Drain(worker_id="ctx-0"), 0.0)
     assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
     for i in range(3):
@@ -399,11 +397,11 @@ def test_aggregated_mode_and_short_prompts_prefill_on_the_generation_worker(
 
 
 def test_prompts_past_full_context_queues_are_dealt_to_the_generation_worker() -> None:
-    """Load-aware deflection (max_prefill_queue_size, 2 by default): with both context
-    workers holding two prefills, a prompt goes to the generation worker while fewer prompts
-    wait there than in the shortest context queue, counting those sent since its last
-    heartbeat; a finished prefill or a heartbeat showing its queue drained moves the balance."""
-    orch = cluster(contexts=2)
+    """Load-aware deflection (max_prefill_queue_size: 2): with both context workers holding
+    two prefills, a prompt goes to the generation worker while fewer prompts wait there than in
+    the shortest context queue, counting those sent since its last heartbeat; a finished
+    prefill or a heartbeat showing its queue drained moves the balance."""
+    orch = cluster("orchestrator: {max_prefill_queue_size: 2}", contexts=2)
     routed = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0)) for i in range(4)]
     assert sorted(to for to, _ in routed) == [b"ctx-0", b"ctx-0", b"ctx-1", b"ctx-1"]
     dealt = [only(orch.handle(FRONTEND, generate(f"d{i}"), 0.0)) for i in range(5)]
@@ -429,7 +427,7 @@ def test_prefills_are_deflected_only_past_the_queue_size_and_never_at_zero() -> 
     assert targets == [b"ctx-0", b"ctx-0", b"ctx-0", b"gen-0"]
     orch.handle(b"ctx-0", prefill_done("r0"), 0.0)  # two left there: below the limit again
     assert only(orch.handle(FRONTEND, generate("r4"), 0.0))[0] == b"ctx-0"
-    never = cluster("orchestrator: {max_prefill_queue_size: 0}")
+    never = cluster()  # 0, the default
     targets = [only(never.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(8)]
     assert set(targets) == {b"ctx-0"}
 
