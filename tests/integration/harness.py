@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,15 @@ def launch(tmp_path: Path, mode: str, model: str = MODEL, frontend: str = "") ->
         stop(cluster, [])
         raise
     return cluster
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str = "") -> float:
+    """Seconds until `condition()` held; fails naming `what` after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def wait_healthy(cluster: Cluster) -> None:

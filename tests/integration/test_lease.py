@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.integration.harness import MODEL, Cluster, alive
+from tests.integration.harness import MODEL, Cluster, alive, wait_for
 
 LEASE_S = 2.0
 MAX_NUM_SEQS = 4
@@ -32,14 +32,6 @@ def cluster(start_cluster) -> Cluster:
 
 def leased(cluster: Cluster) -> int:
     return sum(w.blocks_leased for w in cluster.info().workers if w.role == "context")
-
-
-def wait_for(condition, timeout_s: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def complete(cluster: Cluster, prompt: str, max_tokens: int = 4) -> str:

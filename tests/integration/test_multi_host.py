@@ -37,6 +37,7 @@ from tests.integration.harness import (
     STOP_TIMEOUT_S,
     Cluster,
     hf_greedy_texts,
+    wait_for,
 )
 from tests.integration.netns import NetnsBed, netns_bed
 from tools.tiny_model.build import TEST_PROMPTS
@@ -196,15 +197,6 @@ def state(cluster: Cluster, worker_id: str) -> str:
     """ready, stalled, dead, or forgotten (dead so long that its record was dropped)."""
     rows = [w.state for w in cluster.info().workers if w.worker_id == worker_id]
     return rows[0] if rows else "forgotten"
-
-
-def wait_for(condition, timeout_s: float, what: str) -> float:
-    """Seconds until `condition()` held; fails naming `what` after `timeout_s`."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s: {what}"
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def assert_nothing_held(cluster: Cluster) -> None:

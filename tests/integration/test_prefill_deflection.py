@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import MODEL, Cluster, hf_greedy_texts
+from tests.integration.harness import MODEL, Cluster, hf_greedy_texts, wait_for
 from tests.integration.test_observability import metrics
 from tools.tiny_model.build import TEST_PROMPTS
 
@@ -40,13 +40,6 @@ def complete(cluster: Cluster, prompt: str) -> str:
     answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW,
                                        temperature=0)  # fmt: skip
     return answer.choices[0].text
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def wait_heartbeat(cluster: Cluster, role: str) -> None:

@@ -405,7 +405,7 @@ def test_prompts_past_full_context_queues_are_dealt_to_the_generation_worker() -
     routed = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0)) for i in range(4)]
     assert sorted(to for to, _ in routed) == [b"ctx-0", b"ctx-0", b"ctx-1", b"ctx-1"]
     dealt = [only(orch.handle(FRONTEND, generate(f"d{i}"), 0.0)) for i in range(5)]
-    targets = [to for to, _ in dealt]  # each context queue 2, 2, 2, 3, 3 when dealt
+    targets = [to for to, _ in dealt]  # the shortest context queue: 2, 2, 2, 2, 3
     assert targets[:2] == [b"gen-0", b"gen-0"] and targets[4] == b"gen-0"
     assert sorted(targets[2:4]) == [b"ctx-0", b"ctx-1"]
     assert all(isinstance(m, DecodeRequest) and m.prefill is None
