@@ -18,19 +18,28 @@ process would hold both copies at its peak: keep_freed_memory keeps freed heap p
 
 from __future__ import annotations
 
+import logging
+
+import torch
 from torch import nn
 
 from engine.host_memory import huge_page_buffer, release_freed_memory
+from engine.kernels import cpu_kernels
+from engine.kernels.cpu_quant import read_rates_gb_s
 from engine.linear import Linear
+
+logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64  # each matrix starts on a cache line
 TRIM_EVERY_BYTES = 64 << 20  # old copies handed back to the kernel this often while moving
+PREFETCH_PROBE_BYTES = 64 << 20  # of the arena read to pick few-row prefetching: ~2 ms a read
 
 
 def place_streamed_weights(model: nn.Module) -> int:
     """Move every CPU Linear's streamed matrix into one huge-page arena, in module order (each
     decoder layer's projections as its forward calls them, then the LM head). Returns the bytes
-    moved (0 where nothing streams from the CPU)."""
+    moved (0 where nothing streams from the CPU). Then times reads of the arena to pick how
+    the kernels' matmuls of one or two rows prefetch on this host (pick_few_rows_prefetch)."""
     sizes: dict[Linear, int] = {}  # bytes; the tensors are fetched one at a time below
     for module in model.modules():
         if isinstance(module, Linear):
@@ -55,4 +64,27 @@ def place_streamed_weights(model: nn.Module) -> int:
             release_freed_memory()
             freed = 0
     release_freed_memory()
+    rates = pick_few_rows_prefetch(arena)
+    if rates:
+        logger.info(
+            "weights read at %.1f GB/s prefetched, %.1f left to the hardware: "
+            "matmuls of one or two rows %s",
+            rates["software"],
+            rates["hardware"],
+            "prefetch" if rates["software"] >= rates["hardware"] else "do not prefetch",
+        )
     return total
+
+
+def pick_few_rows_prefetch(weights: torch.Tensor) -> dict[str, float]:
+    """Set whether the C kernels' matmuls of one or two rows prefetch their weights in software
+    (engine/kernels/cpu_prefetch.h): on where `weights` (a uint8 arena, as a decode step streams
+    it) reads faster so. Hosts differ by a quarter either way. Returns the rates it compared
+    (GB/s), or {} where there is nothing to read or no C library."""
+    lib = cpu_kernels.library()
+    usable = min(weights.numel(), PREFETCH_PROBE_BYTES) // 256 * 256
+    if lib is None or usable == 0:
+        return {}
+    rates = read_rates_gb_s(weights[:usable], rounds=5)
+    lib.set_few_rows_prefetch(int(rates["software"] >= rates["hardware"]))
+    return rates

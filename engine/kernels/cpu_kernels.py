@@ -99,7 +99,8 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "quant_linear": (_int, [_p, _int, _p, _int, _i64, _p, _p, *[_i64] * 3, _int, _p, _int]),
     "quant_linear_scratch": (_i64, [_i64, _i64, _i64]),
     "quant_int8_available": (_int, []),
-    "stream_read": (_i64, [_p, _i64]),
+    "stream_read": (_i64, [_p, _i64, _int]),
+    "set_few_rows_prefetch": (None, [_int]),
     "lora_add": (None, [*[_p] * 6, *[_i64] * 4, _int]),
 }
 EXPERT_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}  # cpu_moe.c's ACT_SILU, ACT_GPT_OSS

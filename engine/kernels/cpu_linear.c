@@ -28,6 +28,7 @@
 #include <stdlib.h>
 
 #include "cpu_dtypes.h"
+#include "cpu_prefetch.h"
 
 /* MR rows share each weight load; their accumulators (two vectors a row) must fit the vector
  * registers: 16 on AVX2, 32 with AVX-512 (ymm16-31 under AVX512VL). */
@@ -305,7 +306,9 @@ void linear_amx_use(int on) { (void)on; }
  *
  * Layout ("pairs"): panels[N / P][K / 2][P][2]: k step j of panel p holds, for each of its 16
  * columns n, (w[n][2j], w[n][2j + 1]) side by side: one 64-byte vector, one cache line. A row
- * of x is read as K / 2 such pairs, each broadcast to all 16 lanes. K must be even. */
+ * of x is read as K / 2 such pairs, each broadcast to all 16 lanes. K must be even. Each k step
+ * prefetches the line PREFETCH_K steps ahead, but at one or two rows only where the host streams
+ * faster so (cpu_prefetch.h). */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -313,7 +316,7 @@ int bf16_pairs_available(void) { return 1; }
 
 static inline __attribute__((always_inline)) void pair_rows(
     const uint16_t *restrict x, int64_t K, const uint16_t *panel, float *restrict out, int64_t N,
-    int64_t ncols, const float *bias, const int rows) {
+    int64_t ncols, const float *bias, const int rows, const int prefetch) {
     /* few rows: up to four independent chains each, for the instruction's latency */
     const int split = rows <= 3 ? 4 : rows <= 6 ? 2 : 1;
     const int64_t K2 = K / 2;
@@ -323,7 +326,8 @@ static inline __attribute__((always_inline)) void pair_rows(
     int64_t j = 0;
     for (; j + split <= K2; j += split) {
         for (int s = 0; s < split; s++) {
-            _mm_prefetch((const char *)(panel + (j + s + PREFETCH_K) * 2 * P), _MM_HINT_T0);
+            if (prefetch)
+                _mm_prefetch((const char *)(panel + (j + s + PREFETCH_K) * 2 * P), _MM_HINT_T0);
             __m512bh w = (__m512bh)_mm512_loadu_si512(panel + (j + s) * 2 * P);
             for (int r = 0; r < rows; r++) {
                 uint32_t pair;
@@ -352,16 +356,16 @@ static inline __attribute__((always_inline)) void pair_rows(
 /* Rows m0 .. m_end - 1 of x times panel p: out's columns 16 p .. 16 p + 15. */
 static inline void pair_panel(const uint16_t *x, const uint16_t *pairs, const float *bias,
                               float *out, int64_t m0, int64_t m_end, int64_t N, int64_t K,
-                              int64_t p) {
+                              int64_t p, int prefetch) {
     const uint16_t *panel = pairs + p * K * P;
     int64_t n = p * P, ncols = N - n < P ? N - n : P;
     const float *b = bias != NULL ? bias + n : NULL;
     int64_t m = m0;
     for (; m + MR <= m_end; m += MR)
-        pair_rows(x + m * K, K, panel, out + m * N + n, N, ncols, b, MR);
+        pair_rows(x + m * K, K, panel, out + m * N + n, N, ncols, b, MR, prefetch);
     const uint16_t *xm = x + m * K;
     float *om = out + m * N + n;
-#define PAIR_ROWS(r) pair_rows(xm, K, panel, om, N, ncols, b, r)
+#define PAIR_ROWS(r) pair_rows(xm, K, panel, om, N, ncols, b, r, prefetch)
     LAST_ROWS(m_end - m, PAIR_ROWS)
 #undef PAIR_ROWS
 }
@@ -380,14 +384,15 @@ void pair_linear(const uint16_t *x, const uint16_t *pairs, const float *bias, fl
         int64_t m_end = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t p = 0; p < num_panels; p++)
-            pair_panel(x, pairs, bias, out, m0, m_end, N, K, p);
+            pair_panel(x, pairs, bias, out, m0, m_end, N, K, p, prefetches(M));
     }
 }
 
 /* As panel_range, for pairs. */
 void pair_range(const uint16_t *x, const uint16_t *pairs, const float *bias, float *out,
                 int64_t M, int64_t N, int64_t K, int64_t p_begin, int64_t p_end) {
-    for (int64_t p = p_begin; p < p_end; p++) pair_panel(x, pairs, bias, out, 0, M, N, K, p);
+    for (int64_t p = p_begin; p < p_end; p++)
+        pair_panel(x, pairs, bias, out, 0, M, N, K, p, prefetches(M));
 }
 #else
 int bf16_pairs_available(void) { return 0; }

@@ -86,13 +86,15 @@
  * alone kept too few lines in flight once the core was busy with the arithmetic and other
  * processes shared the memory system (SmolLM2's 4-bit matrices at one row, huge pages, a loaded
  * 2-core host: 7.6-7.8 ms a pass without, 4.4-5.0 with 64 KB ahead, 5.8-6.8 with 1-16 KB; 8
- * bits 11.2 -> 9.9). A decode step
+ * bits 11.2 -> 9.9). Not at one or two rows where the host streams faster without
+ * (cpu_prefetch.h, picked by timing both at load). A decode step
  * (cpu_decode_step.c) can call quant_linear per matrix with its float32 staging buffer as `out`
  * and one scratch of quant_linear_scratch(max rows, max K, min G) bytes.
  */
 #include <stdlib.h>
 
 #include "cpu_dtypes.h"
+#include "cpu_prefetch.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -145,6 +147,7 @@ enum { PREFETCH_AHEAD = 64 << 10 };
 ALWAYS_INLINE void prefetch_ahead(const uint8_t *block, int64_t bbytes) {
     for (int64_t at = 0; at < bbytes; at += 64) __builtin_prefetch(block + PREFETCH_AHEAD + at, 0, 1);
 }
+
 
 ALWAYS_INLINE v16u load16u(const uint8_t *p) {
     v16u v;
@@ -234,7 +237,7 @@ static void store_planes(const v16f *total, int rows, const int planes, float *o
 ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xsum, int64_t K,
                               int64_t ng, const uint8_t *panel, const int bits, int64_t G,
                               float *restrict out, int64_t N, int64_t ncols, const float *bias,
-                              const int rows) {
+                              const int rows, const int prefetch) {
     const int split = rows * 8 <= CHAINS ? 8 : rows * 4 <= CHAINS ? 4 : rows * 2 <= CHAINS ? 2 : 1;
     const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
     v16f total[FMR];
@@ -242,7 +245,7 @@ ALWAYS_INLINE void float_rows(const float *restrict xs, const float *restrict xs
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const float *xg = xs + g * G;
-        prefetch_ahead(block, bbytes);
+        if (prefetch) prefetch_ahead(block, bbytes);
         v16f acc[8][FMR];
         for (int s = 0; s < split; s++)
             for (int r = 0; r < rows; r++) acc[s][r] = splat16(0.0f);
@@ -330,13 +333,13 @@ static void prepare_float(const void *x, int dtype, int64_t rows, int64_t K, int
         prepare_rows(x, BF16, rows, K, bits, G, xs, xsum);
 }
 
-#define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r)
-#define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r)
+#define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r, prefetch)
+#define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r, prefetch)
 
 /* Rows 0 .. rows - 1 of the prepared block times panel p, on the calling thread. */
 ALWAYS_INLINE void float_panel(const float *xs, const float *xsum, const uint8_t *packed,
                                const int bits, int64_t G, const float *bias, float *out,
-                               int64_t rows, int64_t N, int64_t K, int64_t p) {
+                               int64_t rows, int64_t N, int64_t K, int64_t p, int prefetch) {
     int64_t ng = K / G, n = p * QP, ncols = N - n < QP ? N - n : QP;
     const uint8_t *panel = packed + p * ng * block_bytes(bits, G);
     const float *b = bias != NULL ? bias + n : NULL;
@@ -385,7 +388,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
                              int64_t ng,
                              const uint8_t *panel, const int bits, int64_t G,
                              float *restrict out, int64_t N, int64_t ncols, const float *bias,
-                             const int rows) {
+                             const int rows, const int prefetch) {
     const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int chains = rows <= 2 ? 2 : 1; /* few rows: a second chain a row, for the latency */
@@ -394,7 +397,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const int8_t *xg = xq + g * G;
-        prefetch_ahead(block, bbytes);
+        if (prefetch) prefetch_ahead(block, bbytes);
 #define ZERO(r)                                                                         \
     acc##r = odd##r = _mm512_setzero_si512();                                           \
     __asm__("" : "+v"(acc##r), "+v"(odd##r));
@@ -488,7 +491,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
                              const float *restrict dsum, const int32_t *restrict off, int64_t K,
                              int64_t ng, const uint8_t *panel, const int bits, int64_t G,
                              float *restrict out, int64_t N, int64_t ncols, const float *bias,
-                             const int rows) {
+                             const int rows, const int prefetch) {
     const int64_t vbytes = value_bytes(bits, G), bbytes = block_bytes(bits, G);
     const __m256i low = _mm256_set1_epi8(0x0f);
 #ifdef __AVXVNNI__
@@ -503,7 +506,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *block = panel + g * bbytes;
         const int8_t *xg = xq + g * G;
-        prefetch_ahead(block, bbytes);
+        if (prefetch) prefetch_ahead(block, bbytes);
 #define ZERO(r)                                                                         \
     a##r = b##r = a2##r = b2##r = _mm256_setzero_si256();                               \
     __asm__("" : "+x"(a##r), "+x"(b##r), "+x"(a2##r), "+x"(b2##r));
@@ -616,7 +619,7 @@ ALWAYS_INLINE void int8_panel(const int8_t *xq, const float *dx, const float *ds
                               const int32_t *off,
                               const uint8_t *packed, const int bits, int64_t G,
                               const float *bias, float *out, int64_t rows, int64_t N, int64_t K,
-                              int64_t p) {
+                              int64_t p, int prefetch) {
     int64_t ng = K / G, n = p * QP, ncols = N - n < QP ? N - n : QP;
     const uint8_t *panel = packed + p * ng * block_bytes(bits, G);
     const float *b = bias != NULL ? bias + n : NULL;
@@ -811,6 +814,7 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
     const int64_t num_panels = (N + QP - 1) / QP, elem = dtype == F32 ? 4 : 2;
     for (int64_t m0 = 0; m0 < M; m0 += QROW_BLOCK / planes) {
         const int64_t rows = M - m0 < QROW_BLOCK / planes ? M - m0 : QROW_BLOCK / planes;
+        const int prefetch = prefetches(planes * M);
         const void *xb = (const char *)x + m0 * K * elem;
         float *ob = out + m0 * N;
         if (!int8) {
@@ -819,9 +823,9 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
             for (int64_t p = 0; p < num_panels; p++) {
                 if (bits == 4)
-                    float_panel(xs, xsum, packed, 4, G, bias, ob, rows, N, K, p);
+                    float_panel(xs, xsum, packed, 4, G, bias, ob, rows, N, K, p, prefetch);
                 else
-                    float_panel(xs, xsum, packed, 8, G, bias, ob, rows, N, K, p);
+                    float_panel(xs, xsum, packed, 8, G, bias, ob, rows, N, K, p, prefetch);
             }
             continue;
         }
@@ -835,9 +839,9 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t p = 0; p < num_panels; p++) {
             if (bits == 4)
-                int8_panel(xq, dx, dsum, off, packed, 4, G, bias, ob, prepared, N, K, p);
+                int8_panel(xq, dx, dsum, off, packed, 4, G, bias, ob, prepared, N, K, p, prefetch);
             else
-                int8_panel(xq, dx, dsum, off, packed, 8, G, bias, ob, prepared, N, K, p);
+                int8_panel(xq, dx, dsum, off, packed, 8, G, bias, ob, prepared, N, K, p, prefetch);
         }
 #endif
     }
@@ -845,15 +849,19 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
 }
 
 /* Reads n bytes (a multiple of 256) as a decode step reads its weights here: 64-byte vectors,
- * each line prefetched PREFETCH_AHEAD into L2. What bench/peers.py's bandwidth bound times (on
- * a huge-page buffer the size of a step's weights): the fastest read of those bytes found on
- * this project's hosts, where torch's sum of a 4 KiB-paged array read 40% of it. Returns a
- * checksum so the reads stay. */
-int64_t stream_read(const uint8_t *p, int64_t n) {
+ * each line prefetched PREFETCH_AHEAD into L2 (prefetch) or left to the hardware prefetcher.
+ * What bench/peers.py's bandwidth bound times, both ways (on a huge-page buffer the size of a
+ * step's weights): the fastest reads of those bytes found on this project's hosts, where
+ * torch's sum of a 4 KiB-paged array read 40% of it; and how the engine picks
+ * prefetch_few_rows (cpu_prefetch.h), set here. Returns a checksum so the reads stay. */
+int prefetch_few_rows = 1;
+void set_few_rows_prefetch(int on) { prefetch_few_rows = on != 0; }
+
+int64_t stream_read(const uint8_t *p, int64_t n, int prefetch) {
     typedef int64_t v8l __attribute__((vector_size(64)));
     v8l acc[4] = {{0}};
     for (int64_t i = 0; i + 256 <= n; i += 256) {
-        prefetch_ahead(p + i, 256);
+        if (prefetch) prefetch_ahead(p + i, 256);
         for (int j = 0; j < 4; j++) {
             v8l v;
             memcpy(&v, p + i + 64 * j, sizeof v);

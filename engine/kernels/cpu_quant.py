@@ -11,6 +11,7 @@ themselves.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,22 @@ def int8_available() -> bool:
     AVX512-VNNI: cpu_quant.c); asked on every call of a quantized matmul, so answered once."""
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.quant_int8_available())
+
+
+def read_rates_gb_s(buffer: torch.Tensor, rounds: int = 3) -> dict[str, float]:
+    """How fast one core streams `buffer` (uint8, its length a multiple of 256) through
+    cpu_quant.c's stream_read, each line prefetched in software ("software") or left to the
+    hardware prefetcher ("hardware"): GB/s, the best of `rounds` reads each, taken in turn so
+    that both see the same moments of a shared host."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    best = {"software": 0.0, "hardware": 0.0}
+    for _ in range(rounds):
+        for way in best:
+            start = time.perf_counter()
+            lib.stream_read(buffer.data_ptr(), buffer.numel(), int(way == "software"))
+            best[way] = max(best[way], buffer.numel() / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def quant_linear(

@@ -14,7 +14,7 @@ from torch import nn
 from engine.host_memory import huge_page_buffer
 from engine.kernels import cpu_kernels
 from engine.linear import Linear
-from engine.weight_arena import place_streamed_weights
+from engine.weight_arena import pick_few_rows_prefetch, place_streamed_weights
 from tests.unit.engine.quant.test_quantized_linear import random_q4
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
@@ -87,3 +87,24 @@ def thp_fallbacks() -> int:
     vmstat = Path("/proc/vmstat")
     lines = vmstat.read_text().splitlines() if vmstat.exists() else []
     return sum(int(line.split()[1]) for line in lines if line.startswith("thp_fault_fallback "))
+
+
+def test_few_rows_prefetch_is_picked_from_timed_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pick reads the arena both ways (at most PREFETCH_PROBE_BYTES of it) and sets the C
+    flag to the faster; the rates it compared come back. Reads faked to one answer each way,
+    then the other, show the flag follows them; an arena too small to read picks nothing."""
+    lib = cpu_kernels.library()
+    arena = huge_page_buffer(3 << 20)
+    rates = pick_few_rows_prefetch(arena)
+    lib.set_few_rows_prefetch(1)  # the default back, whichever this host picked
+    assert set(rates) == {"software", "hardware"} and min(rates.values()) > 0
+    set_to: list[int] = []
+    monkeypatch.setattr(lib, "set_few_rows_prefetch", set_to.append)
+    for faster, flag in (("software", 1), ("hardware", 0)):
+        monkeypatch.setattr(
+            "engine.weight_arena.read_rates_gb_s",
+            lambda weights, rounds, faster=faster: {"software": 1.0, "hardware": 1.0, faster: 2.0},
+        )
+        assert pick_few_rows_prefetch(arena)[faster] == 2.0
+        assert set_to[-1] == flag
+    assert pick_few_rows_prefetch(torch.ones(100, dtype=torch.uint8)) == {}

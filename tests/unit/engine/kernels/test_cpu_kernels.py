@@ -323,6 +323,26 @@ def test_pair_linear_matches_torch(amx: bool, threads: int) -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_pairs_available(), reason="no AVX512-BF16 here")
+def test_pair_linear_few_rows_prefetch_changes_no_result() -> None:
+    """bfloat16 pairs at one and two rows with the few-row prefetch off and on (the engine's
+    pick at load, cpu_prefetch.h): the same bits; the default set back."""
+    torch.manual_seed(3)
+    lib = cpu_kernels.library()
+    weight = torch.randn(100, 576).to(torch.bfloat16)
+    pairs = cpu_kernels.pack_pairs(weight)
+    try:
+        for rows in (1, 2):
+            x = torch.randn(rows, 576).to(torch.bfloat16)
+            outs = []
+            for on in (0, 1):
+                lib.set_few_rows_prefetch(on)
+                outs.append(cpu_kernels.pair_linear(x, pairs, None, 100))
+            assert torch.equal(outs[0], outs[1])
+    finally:
+        lib.set_few_rows_prefetch(1)
+
+
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(
     torch.ops.mkldnn._is_mkldnn_bf16_supported()
 )

@@ -240,10 +240,35 @@ def test_what_it_cannot_take_is_refused() -> None:
         cpu_quant.quant_linear(torch.randn(1, K), packed, torch.randn(N + 1))
 
 
-def test_stream_read_reads_every_byte() -> None:
-    """bench/peers.py's bandwidth bound times stream_read: it must read all n bytes (its
-    checksum is the sum of the buffer as int64 words)."""
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_stream_read_reads_every_byte(prefetch: int) -> None:
+    """bench/peers.py's bandwidth bound times stream_read, both ways: it must read all n bytes
+    (its checksum is the sum of the buffer as int64 words)."""
     lib = cpu_kernels.library()
     assert lib is not None
     words = torch.arange(1 << 16, dtype=torch.int64)  # 512 KB: past the prefetch distance
-    assert lib.stream_read(words.data_ptr(), words.numel() * 8) == int(words.sum())
+    assert lib.stream_read(words.data_ptr(), words.numel() * 8, prefetch) == int(words.sum())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_few_rows_prefetch_changes_no_result(bits: int, rows: int) -> None:
+    """Prefetching or not at one or two rows (the engine's pick at load, cpu_prefetch.h) moves no
+    bit: the same results either way (three rows always prefetch); the default set back."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    w = random_weight(bits, 32)
+    packed = cpu_quant.pack_quantized(w)
+    x = torch.randn(rows, K)
+    try:
+        outs = []
+        for on in (0, 1):
+            lib.set_few_rows_prefetch(on)
+            outs += [cpu_quant.quant_linear(x, packed, int8_activations=False)]
+            if cpu_quant.int8_available():
+                outs += [cpu_quant.quant_linear(x, packed, int8_activations=True)]
+    finally:
+        lib.set_few_rows_prefetch(1)
+    half = len(outs) // 2
+    for off, on in zip(outs[:half], outs[half:], strict=True):
+        assert torch.equal(off, on)

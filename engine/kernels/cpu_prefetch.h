@@ -1,0 +1,19 @@
+/* Whether a matmul of at most FEW_ROWS rows (a one- or two-sequence decode step) prefetches its
+ * weights in software. With so little arithmetic a cache line, how fast the weights stream is the
+ * host's memory system's, and hosts differ: on the project's Xeon VM cpu_quant.c's prefetch took
+ * SmolLM2's 4-bit matrices at one row from 7.6 to 4.4 ms; on its Zen 4 VM it cost a quarter, the
+ * hardware prefetcher alone being faster (3.1 ms against 4.0; stream_read 38-40 GB/s against
+ * 31-32; bfloat16 pairs 10.3 ms against 11.9). From 3-4 rows the prefetch paid on both (Zen 4, 4
+ * bits, 8 rows: 9.6 ms without, 8.0 with), so more rows always prefetch. The engine times
+ * stream_read both ways over its weights at load and sets the faster (engine/weight_arena.py).
+ * Defined in cpu_quant.c, beside stream_read. */
+#ifndef CPU_PREFETCH_H
+#define CPU_PREFETCH_H
+
+enum { FEW_ROWS = 2 };
+extern int prefetch_few_rows;
+
+/* Whether a call of `rows` rows prefetches. */
+static inline int prefetches(long long rows) { return rows > FEW_ROWS || prefetch_few_rows; }
+
+#endif
