@@ -148,7 +148,6 @@ ALWAYS_INLINE void prefetch_ahead(const uint8_t *block, int64_t bbytes) {
     for (int64_t at = 0; at < bbytes; at += 64) __builtin_prefetch(block + PREFETCH_AHEAD + at, 0, 1);
 }
 
-
 ALWAYS_INLINE v16u load16u(const uint8_t *p) {
     v16u v;
     memcpy(&v, p, sizeof v);
@@ -334,7 +333,8 @@ static void prepare_float(const void *x, int dtype, int64_t rows, int64_t K, int
 }
 
 #define FLOAT_ROWS(r) float_rows(xs, xsum, K, ng, panel, bits, G, o, N, ncols, b, r, prefetch)
-#define INT8_ROWS(r) int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r, prefetch)
+#define INT8_ROWS(r) \
+    int8_rows(xq, dx, dsum, off, K, ng, panel, bits, G, o, N, ncols, b, r, prefetch)
 
 /* Rows 0 .. rows - 1 of the prepared block times panel p, on the calling thread. */
 ALWAYS_INLINE void float_panel(const float *xs, const float *xsum, const uint8_t *packed,
@@ -812,9 +812,9 @@ int quant_linear(const void *x, int dtype, const uint8_t *packed, int bits, int6
     /* 8-bit weights take int8 activations in two planes: as many prepared rows a block */
     const int planes = int8 && bits == 8 ? 2 : 1;
     const int64_t num_panels = (N + QP - 1) / QP, elem = dtype == F32 ? 4 : 2;
+    const int prefetch = prefetches(planes * M);
     for (int64_t m0 = 0; m0 < M; m0 += QROW_BLOCK / planes) {
         const int64_t rows = M - m0 < QROW_BLOCK / planes ? M - m0 : QROW_BLOCK / planes;
-        const int prefetch = prefetches(planes * M);
         const void *xb = (const char *)x + m0 * K * elem;
         float *ob = out + m0 * N;
         if (!int8) {
