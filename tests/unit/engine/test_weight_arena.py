@@ -90,9 +90,9 @@ def thp_fallbacks() -> int:
 
 
 def test_few_rows_prefetch_is_picked_from_timed_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pick reads the arena both ways (at most PREFETCH_PROBE_BYTES of it) and sets the C
-    flag to the faster; the rates it compared come back. Reads faked to one answer each way,
-    then the other, show the flag follows them; an arena too small to read picks nothing."""
+    """The pick reads the arena both ways and returns the rates it compared; with the reads
+    faked to favour one way, then the other, it sets the C flag to the faster; an arena too small
+    to read (under 256 bytes) picks nothing."""
     lib = cpu_kernels.library()
     arena = huge_page_buffer(3 << 20)
     rates = pick_few_rows_prefetch(arena)
