@@ -64,27 +64,27 @@ def place_streamed_weights(model: nn.Module) -> int:
             release_freed_memory()
             freed = 0
     release_freed_memory()
-    rates = pick_few_rows_prefetch(arena)
-    if rates:
-        logger.info(
-            "weights read at %.1f GB/s prefetched, %.1f left to the hardware: "
-            "matmuls of one or two rows %s",
-            rates["software"],
-            rates["hardware"],
-            "prefetch" if rates["software"] >= rates["hardware"] else "do not prefetch",
-        )
+    pick_few_rows_prefetch(arena)
     return total
 
 
 def pick_few_rows_prefetch(weights: torch.Tensor) -> dict[str, float]:
     """Set whether the C kernels' matmuls of one or two rows prefetch their weights in software
     (engine/kernels/cpu_prefetch.h): on where `weights` (a uint8 arena, as a decode step streams
-    it) reads faster so. Hosts differ by a quarter either way. Returns the rates it compared
-    (GB/s), or {} where there is nothing to read or no C library."""
+    it) reads faster so, and log the pick. Hosts differ by a quarter either way. Returns the rates
+    it compared (GB/s), or {} where there is nothing to read or no C library."""
     lib = cpu_kernels.library()
     usable = min(weights.numel(), PREFETCH_PROBE_BYTES) // 256 * 256
     if lib is None or usable == 0:
         return {}
     rates = read_rates_gb_s(weights[:usable], rounds=5)
-    lib.set_few_rows_prefetch(int(rates["software"] >= rates["hardware"]))
+    prefetch = rates["software"] >= rates["hardware"]
+    lib.set_few_rows_prefetch(int(prefetch))
+    logger.info(
+        "weights read at %.1f GB/s prefetched, %.1f left to the hardware: "
+        "matmuls of one or two rows %s",
+        rates["software"],
+        rates["hardware"],
+        "prefetch" if prefetch else "do not prefetch",
+    )
     return rates

@@ -6,7 +6,9 @@
  * 31-32; bfloat16 pairs 10.3 ms against 11.9). From 3-4 rows the prefetch paid on both (Zen 4, 4
  * bits, 8 rows: 9.6 ms without, 8.0 with), so more rows always prefetch. The engine times
  * stream_read both ways over its weights at load and sets the faster (engine/weight_arena.py).
- * Defined in cpu_quant.c, beside stream_read. */
+ * Read by cpu_quant.c (every quantized matmul) and cpu_linear.c's bfloat16 pairs; its float32
+ * panels never prefetch at one row (panel_row) and always from two, unchanged (no host measured
+ * otherwise). Defined in cpu_quant.c, beside stream_read. */
 #ifndef CPU_PREFETCH_H
 #define CPU_PREFETCH_H
 
