@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,14 +145,35 @@ def quant_linear(
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {n} outputs")
         bias = bias.float().contiguous()
     out = torch.empty(m, n)
-    scratch = torch.empty(lib.quant_linear_scratch(m, k, packed.group_size), dtype=torch.uint8)
-    status = cpu_kernels.run(
-        "quant_linear",
-        rows.data_ptr(), cpu_kernels.DTYPE_CODES[rows.dtype], packed.data.data_ptr(), packed.bits,
-        packed.group_size, cpu_kernels.address(bias), out.data_ptr(), m, n, k,
-        int(int8_activations), scratch.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    status = prepared_quant_linear(rows, packed, bias, int8_activations, out)()
     if status == -1:
         raise ValueError("int8 activations need AVX2 (and FMA, F16C), which these kernels lack")
     assert status == 0, f"quant_linear: layout not taken ({status})"
     return out.reshape(*x.shape[:-1], n)
+
+
+def prepared_quant_linear(
+    rows: torch.Tensor,
+    packed: PackedQuant,
+    bias: torch.Tensor | None,
+    int8_activations: bool,
+    out: torch.Tensor,
+) -> Callable[[], int]:
+    """quant_linear's kernel call for these contiguous rows (M, K), float32 bias (or None) and
+    out (M, N), its scratch allocated once; each call returns the kernel's status. The engine
+    times it at load (engine/weight_arena.py), where a small matrix's product takes less time
+    than quant_linear's checks around it."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    m, k = rows.shape
+    scratch = torch.empty(lib.quant_linear_scratch(m, k, packed.group_size), dtype=torch.uint8)
+    code = cpu_kernels.DTYPE_CODES[rows.dtype]
+
+    def call() -> int:  # it holds every tensor it points the kernel at (and so keeps them alive)
+        return cpu_kernels.run(
+            "quant_linear", rows.data_ptr(), code, packed.data.data_ptr(), packed.bits,
+            packed.group_size, cpu_kernels.address(bias), out.data_ptr(), m, packed.out_features,
+            k, int(int8_activations), scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+    return call

@@ -14,7 +14,7 @@ from torch import nn
 from engine.host_memory import huge_page_buffer
 from engine.kernels import cpu_kernels
 from engine.linear import Linear
-from engine.weight_arena import pick_few_rows_prefetch, place_streamed_weights
+from engine.weight_arena import one_row_matmuls, pick_few_rows_prefetch, place_streamed_weights
 from tests.unit.engine.quant.test_quantized_linear import random_q4
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
@@ -89,22 +89,30 @@ def thp_fallbacks() -> int:
     return sum(int(line.split()[1]) for line in lines if line.startswith("thp_fault_fallback "))
 
 
-def test_few_rows_prefetch_is_picked_from_timed_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pick reads the arena both ways and returns the rates it compared; with the reads
-    faked to favour one way, then the other, it sets the C flag to the faster; an arena too small
-    to read (under 256 bytes) picks nothing."""
+def test_few_rows_prefetch_is_picked_from_timed_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pick runs one-row products through the kernels that read the flag (the quantized
+    layers, and bfloat16 pairs where the CPU has them; not float32 panels), each way, and
+    returns the best times; with the times faked to favour one way, then the other, it sets
+    the C flag to the faster; layers none of whose kernels read the flag pick nothing."""
     lib = cpu_kernels.library()
-    arena = huge_page_buffer(3 << 20)
-    rates = pick_few_rows_prefetch(arena)
+    model = list(layers())
+    if cpu_kernels.bf16_pairs_available():
+        with torch.device("meta"):
+            pairs = Linear(64, 32, bias=False)
+        pairs.weight = nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16), requires_grad=False)
+        pairs.pack("onednn", keep_decode_copy=True)
+        model.append(pairs)
+    assert len(one_row_matmuls(model)) == len(model) - 1  # all but the float32 panels
+    times = pick_few_rows_prefetch(model)
     lib.set_few_rows_prefetch(1)  # the default back, whichever this host picked
-    assert set(rates) == {"software", "hardware"} and min(rates.values()) > 0
+    assert set(times) == {"software", "hardware"} and min(times.values()) > 0
     set_to: list[int] = []
     monkeypatch.setattr(lib, "set_few_rows_prefetch", set_to.append)
     for faster, flag in (("software", 1), ("hardware", 0)):
         monkeypatch.setattr(
-            "engine.weight_arena.read_rates_gb_s",
-            lambda weights, rounds, faster=faster: {"software": 1.0, "hardware": 1.0, faster: 2.0},
+            "engine.weight_arena.timed_pass_ms",
+            lambda passes, flag=flag: 1.0 if set_to[-1] == flag else 2.0,
         )
-        assert pick_few_rows_prefetch(arena)[faster] == 2.0
+        assert pick_few_rows_prefetch(model)[faster] == 1.0
         assert set_to[-1] == flag
-    assert pick_few_rows_prefetch(torch.ones(100, dtype=torch.uint8)) == {}
+    assert pick_few_rows_prefetch([model[1]]) == {}
