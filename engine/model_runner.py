@@ -17,6 +17,7 @@ from engine.attention import AttentionBackend
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
+from engine.models.cpu_decode import decode_tokens_in_c
 from engine.models.decoder import CausalLM
 from engine.models.layers import AttentionMetadata
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -65,7 +66,7 @@ class ModelRunner:
         chunks = decodes + prefills
         block_tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
         batch = self._flatten(chunks, block_tables)
-        hidden = self._replay(decodes, prefills, block_tables, batch)
+        hidden = self._decode_only(decodes, prefills, block_tables, batch)
         if hidden is None:
             hidden = self._forward(chunks, prefills, block_tables, batch)
         ends = [e - 1 for e in itertools.accumulate(c.num_new_tokens for c in chunks)]
@@ -134,27 +135,38 @@ class ModelRunner:
             self._to(input_ids), self._to(positions), self.kv_cache.layers, meta, embeds
         )  # (num_tokens, hidden)
 
-    def _replay(
+    def _decode_only(
         self,
         decodes: list[ScheduledChunk],
         prefills: list[ScheduledChunk],
         block_tables: list[list[int]],
         batch: FlatBatch,
     ) -> torch.Tensor | None:
-        """A decode-only step from its CUDA graph: (num_decodes, hidden); None where the step
-        must run eagerly (prefill chunks, proposals, adapters, LongRoPE, or no graph fits)."""
-        graphs = self.graphs
+        """A decode-only step through a path made for it, from the batch's plain lists: its CUDA
+        graph (GPU) or the C step in one call (CPU): (num_decodes, hidden). None where the step
+        runs op by op (prefill chunks, proposals, images, adapters, LongRoPE, or neither path
+        takes it)."""
         if (
-            graphs is None
-            or prefills
+            prefills
             or batch.image_rows  # a 1-token prompt chunk at an image
-            or self.model.lora_batch is not None
-            or self.needs_rope_lens
             or any(c.seq.draft_token_ids for c in decodes)
-            or not graphs.fits(len(decodes), block_tables)
         ):
             return None
         lens = [c.seq.num_computed_tokens + 1 for c in decodes]
+        graphs = self.graphs
+        if graphs is None:
+            if self.device != "cpu" or self.model.c_decode_max_rows == 0:
+                return None
+            return decode_tokens_in_c(
+                self.model, batch.token_ids, batch.positions, batch.slots,
+                _padded(block_tables), lens, self.kv_cache.layers,
+            )  # fmt: skip
+        if (
+            self.model.lora_batch is not None
+            or self.needs_rope_lens
+            or not graphs.fits(len(decodes), block_tables)
+        ):
+            return None
         return graphs.run(batch.token_ids, batch.positions, batch.slots, block_tables, lens)
 
     def _flatten(self, chunks: list[ScheduledChunk], tables: list[list[int]]) -> FlatBatch:

@@ -19,7 +19,7 @@ from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.linear import pack_linear_layers
 from engine.models import architecture, read_model_config
-from engine.models.cpu_decode import use_c_decode_step, use_cpu_kernels
+from engine.models.cpu_decode import decode_tokens_in_c, use_c_decode_step, use_cpu_kernels
 from engine.models.decoder import CausalLM
 from engine.models.layers import AttentionMetadata
 from engine.models.moe import SparseMoE, use_expert_kernels
@@ -156,6 +156,38 @@ def test_the_c_step_computes_the_python_forward(
     else:
         torch.testing.assert_close(c_hidden.float(), py_hidden.float(), rtol=0.05, atol=0.05)
         torch.testing.assert_close(c_pool.float(), py_pool.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt-oss", "phi3"])
+def test_a_decode_batch_from_plain_lists_is_forwards_c_step(arch: str, tmp_path: Path) -> None:
+    """decode_tokens_in_c, what the model runner runs a CPU decode-only step with: the same
+    C call as forward's, so the same hidden states and KV bit for bit (Gemma's embedding
+    scale, an MoE's experts); None where forward must run it: LongRoPE (Phi-3), LoRA, more
+    rows than the C step takes, a position past the rotary tables."""
+    model = random_model(arch, tmp_path, torch.float32, "panels")
+    assert use_c_decode_step(model)
+    caches = [KVCache(model.config, len(LENS) * BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32, "cpu")
+              for _ in range(2)]  # fmt: skip
+    for cache in caches:
+        torch.manual_seed(4)
+        cache.pool.normal_()
+    ids, positions, meta = decode_batch(model)
+    lists = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(),
+             meta.decode_block_tables, meta.decode_context_lens.tolist())  # fmt: skip
+    from_lists = decode_tokens_in_c(model, *lists, caches[0].layers)
+    if arch == "phi3":
+        assert from_lists is None
+        return
+    assert from_lists is not None
+    forward = model(ids, positions, caches[1].layers, meta)
+    assert torch.equal(from_lists, forward) and torch.equal(caches[0].pool, caches[1].pool)
+    model.c_decode_max_rows = len(LENS) - 1
+    assert decode_tokens_in_c(model, *lists, caches[0].layers) is None
+    model.c_decode_max_rows = 1 << 30
+    past = [model.max_positions - 1] * (len(LENS) - 1) + [model.max_positions]
+    assert decode_tokens_in_c(model, lists[0], past, *lists[2:], caches[0].layers) is None
+    model.lora_batch = object()  # type: ignore[assignment]
+    assert decode_tokens_in_c(model, *lists, caches[0].layers) is None
 
 
 @pytest.mark.skipif(
