@@ -66,9 +66,10 @@ class ModelRunner:
         chunks = decodes + prefills
         block_tables = [self.kv_manager.block_table(c.seq.seq_id) for c in chunks]
         batch = self._flatten(chunks, block_tables)
-        hidden = self._decode_only(decodes, prefills, block_tables, batch)
-        if hidden is None:
-            hidden = self._forward(chunks, prefills, block_tables, batch)
+        decoded = self._decode_only(decodes, prefills, block_tables, batch)
+        if decoded is None:
+            decoded = self._forward(chunks, prefills, block_tables, batch), None
+        hidden, every_logits = decoded  # the logits of every row, where the step made them
         ends = [e - 1 for e in itertools.accumulate(c.num_new_tokens for c in chunks)]
         rows = [i for i, c in enumerate(chunks) if c.samples]
         # each sampling chunk's last known token's row and its proposals' rows after it
@@ -79,10 +80,14 @@ class ModelRunner:
         ]
         # (num_sampling_rows, hidden)
         if row_index == list(range(len(hidden))):  # one row a chunk, each samples: all of them
-            last_hidden = hidden
+            last_hidden, index = hidden, None
         else:
-            last_hidden = hidden[self._to(torch.tensor(row_index, dtype=torch.long))]
-        logits = self.model.logits(last_hidden)  # (num_sampling, vocab)
+            index = self._to(torch.tensor(row_index, dtype=torch.long))
+            last_hidden = hidden[index]
+        if every_logits is None:
+            logits = self.model.logits(last_hidden)  # (num_sampling, vocab)
+        else:
+            logits = self.model.soft_capped(every_logits if index is None else every_logits[index])
         prompt_rows = [
             PromptRows(c.seq, c.seq.num_computed_tokens,
                        hidden[int(end) - c.num_new_tokens + 1 : int(end) + 1])  # (num_new, hidden)
@@ -141,11 +146,12 @@ class ModelRunner:
         prefills: list[ScheduledChunk],
         block_tables: list[list[int]],
         batch: FlatBatch,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A decode-only step through a path made for it, from the batch's plain lists: its CUDA
-        graph (GPU) or the C step in one call (CPU): (num_decodes, hidden). None where the step
-        runs op by op (prefill chunks, proposals, images, adapters, LongRoPE, or neither path
-        takes it)."""
+        graph (GPU) or the C step in one call (CPU): (num_decodes, hidden) hidden states, and
+        (num_decodes, vocab) logits where the C step made them too. None where the step runs op
+        by op (prefill chunks, proposals, images, adapters, LongRoPE, or neither path takes
+        it)."""
         if (
             prefills
             or batch.image_rows  # a 1-token prompt chunk at an image
@@ -167,7 +173,8 @@ class ModelRunner:
             or not graphs.fits(len(decodes), block_tables)
         ):
             return None
-        return graphs.run(batch.token_ids, batch.positions, batch.slots, block_tables, lens)
+        hidden = graphs.run(batch.token_ids, batch.positions, batch.slots, block_tables, lens)
+        return None if hidden is None else (hidden, None)
 
     def _flatten(self, chunks: list[ScheduledChunk], tables: list[list[int]]) -> FlatBatch:
         """The chunks' new tokens back to back, as plain lists: one torch.tensor call per field

@@ -80,6 +80,16 @@ class DecodeShape(ctypes.Structure):
     ]  # fmt: skip
 
 
+class DecodeEnds(ctypes.Structure):
+    """cpu_decode_step.h's DecodeEnds: the embedding table (and its multiplier) and the LM head,
+    where the step makes its input rows and its logits itself."""
+
+    _fields_ = [
+        ("embedding", _p), ("multiplier", _f32), ("head", _p), ("head_bias", _p),
+        ("head_quant", QuantSpec), ("vocab", _i64),
+    ]  # fmt: skip
+
+
 MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu_decode_step.h's MLP_*
 ROUTINGS = {"topk_softmax": 0, "softmax_topk": 1}  # cpu_decode_step.h's TOPK_SOFTMAX, ...
 
@@ -93,10 +103,14 @@ def decode_step(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-) -> torch.Tensor:
+    ends: DecodeEnds | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode-only forward pass (cpu_decode_step.c): x (rows, hidden), the embeddings of each
-    sequence's new token, in; the final hidden states out (x itself). positions: (n, rows), the
-    rotary tables' rows per token, row i read by the layers whose positions_row is i."""
+    sequence's new token, in (or, with ends.embedding set, the rows they are made into from
+    token_ids, int64); the final hidden states out (x itself), and with ends.head set the
+    (rows, vocab) float32 logits (else None). positions: (n, rows), the rotary tables' rows
+    per token, row i read by the layers whose positions_row is i."""
     lib = library()
     assert lib is not None and x.dtype in DTYPE_CODES and x.is_contiguous()
     rows = x.shape[0]
@@ -109,12 +123,17 @@ def decode_step(
     shape.dtype = DTYPE_CODES[x.dtype]
     shape.quant_int8 = rows >= cpu_quant.INT8_MIN_ROWS and cpu_quant.int8_available()
     scratch = torch.empty(lib.decode_step_scratch(ctypes.byref(shape), rows))
+    if ends is not None and ends.embedding:
+        assert token_ids is not None and token_ids.dtype == torch.int64 and len(token_ids) == rows
+    logits = torch.empty(rows, ends.vocab) if ends is not None and ends.head else None
     status = run(
         "decode_step",
         layers, len(layers), ctypes.byref(shape), x.data_ptr(), final_norm.data_ptr(), rows,
         positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        scratch.data_ptr(),
+        scratch.data_ptr(), None if ends is None else ctypes.byref(ends),
+        None if token_ids is None else token_ids.data_ptr(),
+        None if logits is None else logits.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("decode step: no memory for the attention scores or the experts")
-    return x
+    return x, logits

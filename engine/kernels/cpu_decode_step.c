@@ -30,7 +30,11 @@
  *   h = mlp_norm(residual += y);  y = mlp(h);  y = mlp_out_norm(y)        (the last: Gemma)
  * where mlp is (act(h @ Wg) * (h @ Wu)) @ Wd, act SiLU or GELU-tanh, or a mixture of experts
  * (cpu_decode_moe.c); and at the end x = norm(residual + y), the hidden states the LM head
- * reads. Every norm is Llama's or, for Gemma, (1 + w) (DecodeShape.gemma).
+ * reads. Every norm is Llama's or, for Gemma, (1 + w) (DecodeShape.gemma). Where the caller
+ * hands it DecodeEnds, the step also looks up the token ids' embedding rows first and computes
+ * the LM head's logits last (a quantized head, or panels), so that a one-sequence step of a
+ * small model is one call from token to logits: the Python around it (the lookup, the head's
+ * module call) ran from a cold cache after the weights' stream, ~0.3 ms of a 5 ms step.
  */
 #include <string.h>
 
@@ -193,18 +197,54 @@ static int layer(const DecodeLayer *L, const void *first_x, const DecodeShape *s
     return 0;
 }
 
+/* x = the embedding rows of token_ids (times the multiplier, rounded as the model's dtype
+ * rounds a product), as CausalLM.embed makes them. */
+static void embed(const DecodeEnds *e, const int64_t *token_ids, void *x, int64_t M,
+                  const DecodeShape *s) {
+    int64_t H = s->hidden, elem = s->dtype == F32 ? 4 : 2;
+    for (int64_t t = 0; t < M; t++) {
+        void *row = (char *)x + t * H * elem;
+        memcpy(row, (const char *)e->embedding + token_ids[t] * H * elem, (size_t)(H * elem));
+        if (e->multiplier != 0.0f)
+            for (int64_t i = 0; i < H; i++)
+                put(row, i, get(row, i, s->dtype) * e->multiplier, s->dtype);
+    }
+}
+
+/* logits (M, vocab) float32 = the LM head of x, rounded to the model's dtype and widened
+ * again, as CausalLM.logits makes them (lm_head(x).float()). */
+static void head_logits(const DecodeEnds *e, const void *x, float *logits, int64_t M,
+                        const DecodeShape *s, const Buffers *b) {
+    int64_t V = e->vocab, H = s->hidden;
+    if (e->head_quant.bits != 0)
+        quant_linear(x, s->dtype, e->head, (int)e->head_quant.bits, e->head_quant.group_size,
+                     e->head_bias, logits, M, V, H, s->quant_int8, b->quant, s->threads);
+    else if (s->pairs)
+        pair_linear(x, e->head, e->head_bias, logits, M, V, H, s->threads);
+    else
+        panel_linear(widen(x, M * H, s->dtype, b->x32), e->head, s->dtype, e->head_bias, logits,
+                     M, V, H, s->threads);
+    if (s->dtype == BF16)
+        for (int64_t i = 0; i < M * V; i++) logits[i] = held(logits[i], BF16);
+}
+
 /* x: (M, hidden) embeddings in (times Gemma's multiplier), final hidden states out, of the
- * model's dtype. positions: (rows, M) table rows, one row per distinct way of reading the
- * rotary tables (LayerAttention.positions_row). scratch: decode_step_scratch() floats.
- * Returns 0, or -1 when attention or the experts could not get their scratch. */
+ * model's dtype; or, where ends->embedding is set, the embeddings made here from token_ids.
+ * Where ends->head is set, logits (M, vocab) float32 out too. ends may be NULL (neither).
+ * positions: (rows, M) table rows, one row per distinct way of reading the rotary tables
+ * (LayerAttention.positions_row). scratch: decode_step_scratch() floats. Returns 0, or -1
+ * when attention or the experts could not get their scratch. */
 int decode_step(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, void *x,
                 const void *final_norm, int64_t M, const int64_t *positions,
                 const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
-                float *scratch) {
+                float *scratch, const DecodeEnds *ends, const int64_t *token_ids,
+                float *logits) {
     Buffers b = carve(scratch, s, M);
     StepInputs in = {positions, slots, block_tables, context_lens};
+    if (ends != NULL && ends->embedding != NULL) embed(ends, token_ids, x, M, s);
     for (int64_t l = 0; l < num_layers; l++)
         if (layer(&layers[l], l == 0 ? x : NULL, s, &b, M, &in) != 0) return -1;
     norm(b.y, b.residual, final_norm, x, M, s);
+    if (ends != NULL && ends->head != NULL) head_logits(ends, x, logits, M, s, &b);
     return 0;
 }

@@ -113,6 +113,17 @@ typedef struct {
 /* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a
  * float32's room, so one layout serves both dtypes), float32 staging for the matmuls, and the
  * router's results. */
+/* The step's two ends where it takes them too (cpu_decode.decode_tokens_in_c): the token ids'
+ * embedding rows in, and the LM head's logits out. */
+typedef struct {
+    const void *embedding; /* (vocab, hidden) of the model's dtype; NULL: x comes in embedded */
+    float multiplier;      /* the rows times this (Gemma's, held in the model's dtype); 0: none */
+    const void *head;      /* the LM head as decode_linear reads a layer's; NULL: no logits */
+    const float *head_bias;
+    QuantSpec head_quant;
+    int64_t vocab;
+} DecodeEnds;
+
 typedef struct {
     void *residual, *h, *y, *qkv, *attn, *gate_up, *act, *logits;
     float *x32, *out32, *q32, *attn32, *scores, *topk_weights;

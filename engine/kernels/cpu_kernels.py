@@ -82,7 +82,7 @@ _SIGNATURES = {  # name: (result, arguments), as the C declares them
     "gelu_tanh_mul": (None, [_p, _p, _i64, _i64, _int]),
     "panel_linear": (None, [_p, _p, _int, _p, _p, _i64, _i64, _i64, _int]),
     "pair_linear": (None, [_p, _p, _p, _p, _i64, _i64, _i64, _int]),
-    "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p]),
+    "decode_step": (_int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "decode_step_scratch": (_i64, [_p, _i64]),
     "bf16_pairs_available": (_int, []),
     "prefill_pairs_available": (_int, []),

@@ -58,6 +58,7 @@ class CStep:
     shape: decode_abi.DecodeShape
     long_rotaries: list[int]
     keep: list[torch.Tensor]
+    ends: decode_abi.DecodeEnds  # for decode_tokens_in_c: the embedding, and the LM head's
 
 
 def use_cpu_kernels(model: CausalLM) -> None:
@@ -134,7 +135,7 @@ def decode_in_c(
     return decode_abi.decode_step(
         step.layers, step.shape, x.contiguous(), model.model.norm.weight, table_positions,
         meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-    )  # fmt: skip
+    )[0]  # fmt: skip
 
 
 def decode_tokens_in_c(
@@ -145,14 +146,17 @@ def decode_tokens_in_c(
     block_tables: torch.Tensor,
     context_lens: list[int],
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`forward` of a decode-only batch given as plain lists (and its (rows, max_blocks) int32
-    block tables), straight into the C step: the final hidden states (rows, hidden). What
-    engine/model_runner.py runs such a step with on a CPU: forward's AttentionMetadata, module
-    calls and checks around the same C call cost ~0.3 ms a step (SmolLM2 Q4_1's step at one
-    sequence is 4-5 ms). None where the step needs what forward does: the C step off or too
-    few rows for the batch, LongRoPE's per-length tables, LoRA, or a position past the rotary
-    tables (forward raises)."""
+    block tables), in one C call from the token ids' embeddings to the final hidden states
+    (rows, hidden) and, where the C step reads the LM head's layout (quantized, or float
+    panels beside panels), its logits as `CausalLM.logits` makes them before any soft cap (else
+    None). What engine/model_runner.py runs such a step with on a CPU. Around the same layers,
+    forward's AttentionMetadata, module calls and checks, the embedding lookup and the LM head's
+    call cost ~0.5 ms of SmolLM2 Q4_1's ~5 ms step at one sequence on the Zen 4 VM: Python run
+    right after the step's 96 MB stream, from a cold cache. None where the step needs what
+    forward does: the C step off or too few rows for the batch, LongRoPE's per-length tables,
+    LoRA, or a position past the rotary tables (forward raises)."""
     rows = len(token_ids)
     if (
         not 0 < rows <= model.c_decode_max_rows
@@ -162,13 +166,12 @@ def decode_tokens_in_c(
     ):
         return None
     step = _current_c_step(model, kv_caches)
-    with torch.inference_mode():
-        x = model.embed(torch.tensor(token_ids))
-        return decode_abi.decode_step(
-            step.layers, step.shape, x.contiguous(), model.model.norm.weight,
-            torch.tensor([positions]), torch.tensor(slots), block_tables,
-            torch.tensor(context_lens, dtype=torch.int32),
-        )  # fmt: skip
+    x = torch.empty(rows, model.config.hidden_size, dtype=model.model.norm.weight.dtype)
+    return decode_abi.decode_step(
+        step.layers, step.shape, x, model.model.norm.weight, torch.tensor([positions]),
+        torch.tensor(slots), block_tables, torch.tensor(context_lens, dtype=torch.int32),
+        step.ends, torch.tensor(token_ids),
+    )  # fmt: skip
 
 
 def _current_c_step(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CStep:
@@ -190,7 +193,28 @@ def _c_step(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]])
         _fill_norms(entry, layer)
         _fill_mlp(entry.mlp, layer.mlp)
     k_cache = kv_caches[0][0]
-    return CStep(k_cache.data_ptr(), table, _shape(model, k_cache), long_rotaries, keep)
+    shape = _shape(model, k_cache)
+    ends = _ends(model, shape)
+    return CStep(k_cache.data_ptr(), table, shape, long_rotaries, keep, ends)
+
+
+def _ends(model: CausalLM, shape: decode_abi.DecodeShape) -> decode_abi.DecodeEnds:
+    """The embedding table (times its multiplier, held in the model's dtype as `embed` holds
+    it), and the LM head where the C step reads its layout: quantized, or panels where the
+    layers are not pairs (a bfloat16 head beside oneDNN has no copy for the C step)."""
+    table = model.model.embed_tokens.weight.detach()
+    assert table.is_contiguous() and table.dtype == model.model.norm.weight.dtype
+    ends = decode_abi.DecodeEnds(embedding=table.data_ptr(), vocab=model.config.vocab_size)
+    if model.embedding_multiplier is not None:
+        held = torch.tensor(model.embedding_multiplier, dtype=table.dtype)
+        ends.multiplier = float(held)
+    head = model.lm_head
+    tensors = head.decode_tensors()
+    quantized = head.quant_spec()[0] != 0
+    if tensors is not None and (quantized or (head.layout == "panels" and not shape.pairs)):
+        ends.head, ends.head_bias = address(tensors[0]), address(tensors[1])
+        ends.head_quant = decode_abi.QuantSpec(*head.quant_spec())
+    return ends
 
 
 def _shape(model: CausalLM, k_cache: torch.Tensor) -> decode_abi.DecodeShape:

@@ -156,7 +156,10 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # (num_rows, vocab_size)
+        return self.soft_capped(self.lm_head(hidden).float())  # (num_rows, vocab_size)
+
+    def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits as the model reports them: Gemma 2's soft cap applied."""
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits

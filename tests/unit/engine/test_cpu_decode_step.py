@@ -17,12 +17,13 @@ import torch
 
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
-from engine.linear import pack_linear_layers
+from engine.linear import Linear, pack_linear_layers
 from engine.models import architecture, read_model_config
 from engine.models.cpu_decode import decode_tokens_in_c, use_c_decode_step, use_cpu_kernels
 from engine.models.decoder import CausalLM
 from engine.models.layers import AttentionMetadata
 from engine.models.moe import SparseMoE, use_expert_kernels
+from tests.unit.engine.quant.test_quantized_linear import random_q4
 from tools.tiny_arch.build import CONFIGS, SMALL, WINDOW
 
 LENS = [5, 17, 30, 70]  # tokens cached per sequence (each decodes one more); Phi-3's pretraining
@@ -158,15 +159,35 @@ def test_the_c_step_computes_the_python_forward(
         torch.testing.assert_close(c_pool.float(), py_pool.float(), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt-oss", "phi3"])
-def test_a_decode_batch_from_plain_lists_is_forwards_c_step(arch: str, tmp_path: Path) -> None:
-    """decode_tokens_in_c, what the model runner runs a CPU decode-only step with: the same
-    C call as forward's, so the same hidden states and KV bit for bit (Gemma's embedding
-    scale, an MoE's experts); None where forward must run it: LongRoPE (Phi-3), LoRA, more
-    rows than the C step takes, a position past the rotary tables."""
-    model = random_model(arch, tmp_path, torch.float32, "panels")
+@pytest.mark.parametrize(
+    ("arch", "dtype", "head"),
+    [
+        ("llama", torch.float32, "panels"),
+        ("llama", torch.float32, "q4"),
+        ("llama", torch.bfloat16, "q4"),
+        ("gemma3", torch.bfloat16, "panels"),
+        ("gpt-oss", torch.float32, "panels"),
+        ("phi3", torch.float32, "panels"),
+    ],
+)
+def test_a_decode_batch_from_token_ids_is_forwards_c_step_and_lm_head(
+    arch: str, dtype: torch.dtype, head: str, tmp_path: Path
+) -> None:
+    """decode_tokens_in_c, what the model runner runs a CPU decode-only step with, from token
+    ids to logits in one C call: the embeddings as `embed` makes them (Gemma's multiplier), the
+    layers as forward's C step, the LM head as `logits` (panels, or a 4-bit head, in float32
+    or rounded to bfloat16), so the same hidden states, KV and logits bit for bit; None where
+    forward must run it: LongRoPE (Phi-3), LoRA, more rows than the C step takes, a position
+    past the rotary tables."""
+    model = random_model(arch, tmp_path, dtype, "panels")
+    if head == "q4":
+        config = model.config
+        with torch.device("meta"):
+            model.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        model.lm_head.quantize(random_q4(config.vocab_size, config.hidden_size), dtype)
+        model.lm_head.pack("panels")
     assert use_c_decode_step(model)
-    caches = [KVCache(model.config, len(LENS) * BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32, "cpu")
+    caches = [KVCache(model.config, len(LENS) * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, "cpu")
               for _ in range(2)]  # fmt: skip
     for cache in caches:
         torch.manual_seed(4)
@@ -174,13 +195,14 @@ def test_a_decode_batch_from_plain_lists_is_forwards_c_step(arch: str, tmp_path:
     ids, positions, meta = decode_batch(model)
     lists = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(),
              meta.decode_block_tables, meta.decode_context_lens.tolist())  # fmt: skip
-    from_lists = decode_tokens_in_c(model, *lists, caches[0].layers)
+    from_ids = decode_tokens_in_c(model, *lists, caches[0].layers)
     if arch == "phi3":
-        assert from_lists is None
+        assert from_ids is None
         return
-    assert from_lists is not None
+    assert from_ids is not None and from_ids[1] is not None
     forward = model(ids, positions, caches[1].layers, meta)
-    assert torch.equal(from_lists, forward) and torch.equal(caches[0].pool, caches[1].pool)
+    assert torch.equal(from_ids[0], forward) and torch.equal(caches[0].pool, caches[1].pool)
+    assert torch.equal(from_ids[1], model.logits(forward))
     model.c_decode_max_rows = len(LENS) - 1
     assert decode_tokens_in_c(model, *lists, caches[0].layers) is None
     model.c_decode_max_rows = 1 << 30
