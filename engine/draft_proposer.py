@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.sampling_params import SamplingParams
-from engine.sampler import SamplingState
+from engine.sampler import SamplingState, row_argmax
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -87,7 +87,7 @@ class DraftModelProposer:
                 [ScheduledChunk(s, s.num_tokens - s.num_computed_tokens) for s in drafting]
             )
             seqs, logits, _, _ = self.draft.runner.run(out)
-            tokens = logits.argmax(dim=-1).tolist()  # (rows,): one row a shadow
+            tokens = row_argmax(logits).tolist()  # (rows,): one row a shadow
             for shadow, token_id in zip(seqs, tokens, strict=True):
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.token_ids.append(token_id)

