@@ -8,7 +8,7 @@ Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
 Every stage is batched over rows and skipped when no row uses it: an all-greedy batch costs a copy
-and an argmax. Logprobs are read from the raw logits, before any stage (the model's own), except
+and an argmax, or the argmax alone where no stage applies to any row. Logprobs are read from the raw logits, before any stage (the model's own), except
 under a grammar: there they come from the distribution after the grammar's mask (the seed's rule),
 renormalized over the tokens the grammar allows, so a forbidden token never shows up among the
 top log-probs and the chosen token's log-prob says how likely it was among the allowed ones.
@@ -16,6 +16,7 @@ top log-probs and the chosen token's log-prob says how likely it was among the a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import llguidance
@@ -90,9 +91,43 @@ class Sampler:
         """logits: (num_rows, vocab_size), one row per state, in the same order."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
-        x = adjust_logits(logits, states)  # (num_rows, vocab_size)
-        token_ids = _choose(x, states)  # (num_rows,)
+        token_ids = _plain_greedy_choice(logits, states)
+        if token_ids is None:
+            x = adjust_logits(logits, states)  # (num_rows, vocab_size)
+            token_ids = _choose(x, states)  # (num_rows,)
         return sample_result(logits, token_ids, states)
+
+
+def _plain_greedy_choice(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor | None:
+    """Every row's argmax of the raw logits, where every row is greedy and no stage applies to
+    it (no bias, min_tokens met, no grammar, no thinking budget, no penalty) and each row's
+    maximum is finite (no NaN, no +inf, not all -inf): then it is what the stages' copy, whose
+    nan_to_num changes nothing else, would pick. None otherwise. It spares the copy and the
+    stages' calls: on the Zen 4 VM the sampler's call took 110 us for 144 at one SmolLM2
+    sequence, 0.76 ms for 1.17 at 32 (the Python after a decode step's weights stream runs from
+    a cold cache: each call costs there several times what it costs warm)."""
+    for state in states:
+        params = state.params
+        if (
+            not params.greedy
+            or params.logit_bias
+            or len(state.output_token_ids) < params.min_tokens
+            or state.matcher is not None
+            or state.thinking is not None
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        ):
+            return None
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy: fewer, lighter calls
+        rows = logits.numpy()
+        if not all(math.isfinite(top) for top in rows.max(axis=-1).tolist()):  # a NaN is the max
+            return None
+        return torch.from_numpy(rows.argmax(axis=-1))
+    token_ids = row_argmax(logits.float())
+    if not torch.isfinite(logits.gather(1, token_ids.unsqueeze(1))).all():
+        return None
+    return token_ids
 
 
 def adjust_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

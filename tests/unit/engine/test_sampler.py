@@ -20,6 +20,8 @@ from common.sampling_params import SamplingParams
 from engine.sampler import (
     Sampler,
     SamplingState,
+    _choose,
+    _plain_greedy_choice,
     adjust_logits,
     choice_seed,
     row_argmax,
@@ -310,3 +312,27 @@ def test_row_argmax_is_torchs_ties_and_nans_included() -> None:
         y = x[:, ::2].clone()
     assert torch.equal(row_argmax(y), y.argmax(dim=-1))
     assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+def test_plain_greedy_rows_pick_what_the_stages_pick() -> None:
+    """All-greedy rows that no stage touches skip the stages' copy: the same tokens as the
+    stages' path, also where a row holds NaN, +inf or only -inf (those go through the stages);
+    a row with a stage (a bias) sends the batch through them."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, VOCAB, generator=g)
+    logits[1, 3] = float("nan")
+    logits[2, [5, 9]] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, [10, 20]] = 7.0
+    states = [_state(temperature=0.0) for _ in range(5)]
+    stages = _choose(adjust_logits(logits, states), states).tolist()
+    assert Sampler()(logits, states).token_ids == stages
+    assert stages[1:] == [int(logits[1].nan_to_num(nan=-math.inf).argmax()), 5, 0, 10]
+    assert _plain_greedy_choice(logits[[0, 4]], [states[0], states[4]]).tolist() == [
+        stages[0],
+        10,
+    ]
+    assert _plain_greedy_choice(logits[[1]], [states[1]]) is None  # its NaN: the stages decide
+    biased = [_state(temperature=0.0, logit_bias={7: 100.0})] + states[1:]
+    assert _plain_greedy_choice(logits, biased) is None
+    assert Sampler()(logits, biased).token_ids[0] == 7
