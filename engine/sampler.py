@@ -8,10 +8,11 @@ Order (vLLM / OpenAI semantics), on a float32 copy of the logits:
         → sampled rows: temperature → top_k → top_p → min_p → draw
 
 Every stage is batched over rows and skipped when no row uses it: an all-greedy batch costs a copy
-and an argmax, or the argmax alone where no stage applies to any row. Logprobs are read from the raw logits, before any stage (the model's own), except
-under a grammar: there they come from the distribution after the grammar's mask (the seed's rule),
-renormalized over the tokens the grammar allows, so a forbidden token never shows up among the
-top log-probs and the chosen token's log-prob says how likely it was among the allowed ones.
+and an argmax, or the argmax alone where no stage applies to any row. Logprobs are read from the
+raw logits, before any stage (the model's own), except under a grammar: there they come from the
+distribution after the grammar's mask (the seed's rule), renormalized over the tokens the grammar
+allows, so a forbidden token never shows up among the top log-probs and the chosen token's
+log-prob says how likely it was among the allowed ones.
 """
 
 from __future__ import annotations
