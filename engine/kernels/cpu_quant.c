@@ -370,6 +370,21 @@ int quant_int8_available(void) { return 0; }
 #endif
 
 #ifdef INT8_ZMM
+/* Each byte's high nibble, as a byte: one affine transform over GF(2) (byte b -> b >> 4: output
+ * bit i is input bit i + 4, the matrix's byte 7 - i its row) where the CPU has GFNI, else a
+ * shift and a mask. One instruction fewer a 64-byte chunk: on the Zen 4 VM, SmolLM2's 4-bit
+ * matrices at one row in cache 3-5% faster (a 0.35 MB one 33.3 -> 34.7 GB/s, 1.1 MB 50.0 ->
+ * 52.7), streamed from memory the same (all 30 layers' 66 MB, 23.4 -> 23.8 GB/s); the same
+ * bits. */
+ALWAYS_INLINE __m512i high_nibbles(__m512i v, __m512i low) {
+#if defined(__GFNI__) && !defined(NO_GFNI_NIBBLES)
+    (void)low;
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#endif
+}
+
 /* Four int8 activations as one int32 in every lane. */
 ALWAYS_INLINE __m512i broadcast4(const int8_t *p) {
     int32_t four;
@@ -406,7 +421,7 @@ ALWAYS_INLINE void int8_rows(const int8_t *restrict xq, const float *restrict dx
             for (int64_t j = 0; j < G / 8; j++) {
                 __m512i v = _mm512_loadu_si512(block + 64 * j);
                 __m512i lo = _mm512_and_si512(v, low);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i hi = high_nibbles(v, low);
 #define DOT4(r)                                                                         \
     if (r < rows) {                                                                     \
         acc##r = _mm512_dpbusd_epi32(acc##r, lo, broadcast4(xg + r * K + 8 * j));       \
