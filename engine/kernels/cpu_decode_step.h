@@ -110,9 +110,6 @@ typedef struct {
     int kv_dtype;   /* the KV cache's: F32, BF16 or cpu_kernels.c's I8 (kv_quant.py's rows) */
 } DecodeShape;
 
-/* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a
- * float32's room, so one layout serves both dtypes), float32 staging for the matmuls, and the
- * router's results. */
 /* The step's two ends where it takes them too (cpu_decode.decode_tokens_in_c): the token ids'
  * embedding rows in, and the LM head's logits out. */
 typedef struct {
@@ -124,6 +121,9 @@ typedef struct {
     int64_t vocab;
 } DecodeEnds;
 
+/* The step's buffers, carved out of one scratch allocation: model-dtype tensors (each given a
+ * float32's room, so one layout serves both dtypes), float32 staging for the matmuls, and the
+ * router's results. */
 typedef struct {
     void *residual, *h, *y, *qkv, *attn, *gate_up, *act, *logits;
     float *x32, *out32, *q32, *attn32, *scores, *topk_weights;

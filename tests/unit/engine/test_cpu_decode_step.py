@@ -111,14 +111,20 @@ def decode_batch(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor, Attention
     return ids, positions, meta
 
 
-def c_and_python(model: CausalLM, dtype: torch.dtype) -> tuple[list[torch.Tensor], ...]:
-    """([hidden states, KV pool] through the C step, the same through the Python forward), each
-    from the same random history in its own cache."""
+def two_caches(model: CausalLM, dtype: torch.dtype) -> list[KVCache]:
+    """Two KV caches holding the same random history (one for each path compared)."""
     caches = [KVCache(model.config, len(LENS) * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, "cpu")
               for _ in range(2)]  # fmt: skip
     for cache in caches:
         torch.manual_seed(4)
         cache.pool.normal_()
+    return caches
+
+
+def c_and_python(model: CausalLM, dtype: torch.dtype) -> tuple[list[torch.Tensor], ...]:
+    """([hidden states, KV pool] through the C step, the same through the Python forward), each
+    from the same random history in its own cache."""
+    caches = two_caches(model, dtype)
     ids, positions, meta = decode_batch(model)
     rows = model.c_decode_max_rows
     assert rows >= len(LENS)
@@ -187,11 +193,7 @@ def test_a_decode_batch_from_token_ids_is_forwards_c_step_and_lm_head(
         model.lm_head.quantize(random_q4(config.vocab_size, config.hidden_size), dtype)
         model.lm_head.pack("panels")
     assert use_c_decode_step(model)
-    caches = [KVCache(model.config, len(LENS) * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, "cpu")
-              for _ in range(2)]  # fmt: skip
-    for cache in caches:
-        torch.manual_seed(4)
-        cache.pool.normal_()
+    caches = two_caches(model, dtype)
     ids, positions, meta = decode_batch(model)
     lists = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(),
              meta.decode_block_tables, meta.decode_context_lens.tolist())  # fmt: skip
