@@ -29,12 +29,7 @@ from torch import nn
 
 from engine.host_memory import huge_page_buffer, release_freed_memory
 from engine.kernels import cpu_kernels
-from engine.kernels.cpu_quant import (
-    INT8_MIN_ROWS,
-    PackedQuant,
-    int8_available,
-    prepared_quant_linear,
-)
+from engine.kernels.cpu_quant import PackedQuant, prepared_quant_linear, takes_int8
 from engine.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -124,8 +119,7 @@ def one_row_matmuls(layers: list[Linear]) -> list[Callable[[], object]]:
         n, k = layer.out_features, layer.in_features
         if isinstance(layer.packed, PackedQuant):
             x, out = torch.zeros(1, k), torch.empty(1, n)
-            int8 = INT8_MIN_ROWS <= 1 and int8_available()  # as the decode step's one row
-            passes.append(prepared_quant_linear(x, layer.packed, None, int8, out))
+            passes.append(prepared_quant_linear(x, layer.packed, None, takes_int8(1), out))
         elif weight.dim() == 4 and weight.dtype == torch.bfloat16:
             x = torch.zeros(1, k, dtype=torch.bfloat16)
             passes.append(partial(cpu_kernels.pair_linear, x, weight, None, n))

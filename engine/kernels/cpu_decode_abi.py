@@ -121,7 +121,7 @@ def decode_step(
     lens = context_lens.to(torch.int32).contiguous()
     shape.max_blocks, shape.threads = tables.shape[1], torch.get_num_threads()
     shape.dtype = DTYPE_CODES[x.dtype]
-    shape.quant_int8 = rows >= cpu_quant.INT8_MIN_ROWS and cpu_quant.int8_available()
+    shape.quant_int8 = cpu_quant.takes_int8(rows)
     scratch = torch.empty(lib.decode_step_scratch(ctypes.byref(shape), rows))
     if ends is not None and ends.embedding:
         assert token_ids is not None and token_ids.dtype == torch.int64 and len(token_ids) == rows

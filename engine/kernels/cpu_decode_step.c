@@ -111,10 +111,11 @@ static const float *widen(const void *in, int64_t n, int dtype, float *buf) {
     return buf;
 }
 
-void decode_linear(const void *in, const void *weights, const QuantSpec *q, const float *bias,
-                   void *out, int64_t M, int64_t N, int64_t K, const DecodeShape *s,
-                   const Buffers *b) {
-    float *o = s->dtype == F32 ? out : b->out32;
+/* o (M, N) float32 = in (M, K) @ W.T + bias, through the kernel of W's layout: quantized
+ * blocks, bfloat16 pairs or panels. */
+static void linear_f32(const void *in, const void *weights, const QuantSpec *q,
+                       const float *bias, float *o, int64_t M, int64_t N, int64_t K,
+                       const DecodeShape *s, const Buffers *b) {
     if (q != NULL && q->bits != 0)
         quant_linear(in, s->dtype, weights, (int)q->bits, q->group_size, bias, o, M, N, K,
                      s->quant_int8, b->quant, s->threads);
@@ -123,6 +124,13 @@ void decode_linear(const void *in, const void *weights, const QuantSpec *q, cons
     else
         panel_linear(widen(in, M * K, s->dtype, b->x32), weights, s->dtype, bias, o, M, N, K,
                      s->threads);
+}
+
+void decode_linear(const void *in, const void *weights, const QuantSpec *q, const float *bias,
+                   void *out, int64_t M, int64_t N, int64_t K, const DecodeShape *s,
+                   const Buffers *b) {
+    float *o = s->dtype == F32 ? out : b->out32;
+    linear_f32(in, weights, q, bias, o, M, N, K, s, b);
     if (s->dtype == BF16)
         for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = to_bf16(o[i]);
 }
@@ -215,15 +223,8 @@ static void embed(const DecodeEnds *e, const int64_t *token_ids, void *x, int64_
  * again, as CausalLM.logits makes them (lm_head(x).float()). */
 static void head_logits(const DecodeEnds *e, const void *x, float *logits, int64_t M,
                         const DecodeShape *s, const Buffers *b) {
-    int64_t V = e->vocab, H = s->hidden;
-    if (e->head_quant.bits != 0)
-        quant_linear(x, s->dtype, e->head, (int)e->head_quant.bits, e->head_quant.group_size,
-                     e->head_bias, logits, M, V, H, s->quant_int8, b->quant, s->threads);
-    else if (s->pairs)
-        pair_linear(x, e->head, e->head_bias, logits, M, V, H, s->threads);
-    else
-        panel_linear(widen(x, M * H, s->dtype, b->x32), e->head, s->dtype, e->head_bias, logits,
-                     M, V, H, s->threads);
+    int64_t V = e->vocab;
+    linear_f32(x, e->head, &e->head_quant, e->head_bias, logits, M, V, s->hidden, s, b);
     if (s->dtype == BF16)
         for (int64_t i = 0; i < M * V; i++) logits[i] = held(logits[i], BF16);
 }

@@ -103,6 +103,12 @@ def int8_available() -> bool:
     return lib is not None and bool(lib.quant_int8_available())
 
 
+def takes_int8(rows: int) -> bool:
+    """Whether a matmul of `rows` rows takes int8 activations by default: from INT8_MIN_ROWS
+    rows, where the kernels have them (quant_linear, the C decode step, the prefetch pick)."""
+    return rows >= INT8_MIN_ROWS and int8_available()
+
+
 def read_rates_gb_s(buffer: torch.Tensor, rounds: int = 3) -> dict[str, float]:
     """How fast one core streams `buffer` (uint8, its length a multiple of 256) through
     cpu_quant.c's stream_read, each line prefetched in software ("software") or left to the
@@ -139,7 +145,7 @@ def quant_linear(
     rows = x.reshape(-1, k).contiguous()  # (M, K)
     m = rows.shape[0]
     if int8_activations is None:
-        int8_activations = m >= INT8_MIN_ROWS and int8_available()
+        int8_activations = takes_int8(m)
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {n} outputs")
