@@ -87,8 +87,11 @@ class OrchestratorProcess:
         self.keys = generate_keys(workdir / "keys")
         self.address = f"tcp://127.0.0.1:{free_port()}"
         config = workdir / "cluster.yaml"
+        # every request handed off (no deflection): the three crossings this bench counts, and
+        # the simulated workers answer a decode only after their own PrefillDone
+        orchestrator = f'address: "{self.address}", router: kv_aware, max_prefill_queue_size: 0'
         config.write_text(
-            f'orchestrator: {{address: "{self.address}", router: kv_aware}}\n'
+            f"orchestrator: {{{orchestrator}}}\n"
             f"kv_cache: {{block_size: {BLOCK_SIZE}}}\n"
             f"security: {{keys_dir: {workdir / 'keys'}}}\n"
             "cpu: {pin: false}\n"  # pinned here instead, to one core

@@ -70,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 Outbox = list[tuple[bytes, Message]]
 MAX_PREFILL_ATTEMPTS = 2
+# max_prefill_queue_size "auto"'s queue: a prompt deflects only where it would wait behind a
+# whole prefill (one running, one queued), as the runs that measured deflection set it
+AUTO_PREFILL_QUEUE_SIZE = 2
 NO_DECODER = "no generation worker is up"
 DUPLICATE_WINDOW_HEARTBEATS = 2
 
@@ -495,20 +498,36 @@ class Orchestrator:
         once the context workers are the bottleneck a prompt queued there only waits, where
         the generation workers' memory-bound steps could carry its chunks beside their
         decodes; comparing the queues sends it where it starts sooner (a burst of prompts is
-        dealt out between both sides, not all to one). Where the decode steps are the
-        bottleneck instead it costs throughput, so it is off unless configured."""
+        dealt out between both sides, not all to one).
+
+        Where the decode steps are the bottleneck it costs throughput instead, and a queue of
+        a few prompts shows up either way. "auto" tells the two apart by where the requests
+        are: the requests each side holds are its arrival rate times the time a request
+        spends there (Little's law), so the context workers holding more requests than the
+        generation workers means a request waits for its first token longer than it takes to
+        decode: the context side is the bottleneck. In the bench runs that measured deflection
+        (bench/README.md) the cells where it paid had their first tokens wait longer than
+        their decodes took (Llama-3.2-1B at 32 clients on the Xeon host: 58 s against 35;
+        Qwen3-0.6B and Llama-3.2-1B at 8 on the Zen 4 VM: 35 and 69 s against 9 and 16), and
+        the one where it cost the reverse (Qwen3-0.6B at 32 on the Xeon host: 9 s against
+        61). Deflected prompts then move requests to the generation side until the two hold
+        about as many."""
         limit = self.config.orchestrator.max_prefill_queue_size
         if limit == 0:
             return False
+        contexts = self.registry.routable("context")
+        generations = self.registry.routable("generation")
         # a context worker's request_ids are its prefills: each leaves it at PrefillDone
-        shortest = min(len(w.request_ids) for w in self.registry.routable("context"))
-        if shortest < limit:
+        shortest = min(len(w.request_ids) for w in contexts)
+        if shortest < (AUTO_PREFILL_QUEUE_SIZE if limit == "auto" else limit):
             return False
-        waiting = (
-            w.stats.num_waiting + w.local_prefills_unreported
-            for w in self.registry.routable("generation")
-        )
-        return min(waiting) < shortest
+        waiting = (w.stats.num_waiting + w.local_prefills_unreported for w in generations)
+        if min(waiting) >= shortest:
+            return False
+        if limit != "auto":
+            return True
+        held = sum(len(w.request_ids) for w in contexts)
+        return held > sum(len(w.request_ids) for w in generations)
 
     def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
         workers = self.registry.routable("context")

@@ -15,6 +15,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
+from orchestrator.orchestrator import AUTO_PREFILL_QUEUE_SIZE
 from tests.integration.harness import MODEL, Cluster, hf_greedy_texts
 from tools.tiny_model.build import TEST_PROMPTS
 
@@ -46,21 +47,33 @@ def complete(cluster: Cluster, prompt: str, **options) -> openai.types.Completio
 
 
 def test_greedy_completions_match_hf_generate(cluster: Cluster, hf_texts: dict[str, str]) -> None:
-    def routed(role: str) -> int:
-        return sum(w.requests_routed for w in cluster.info().workers if w.role == role)
+    def routed() -> dict[str, int]:
+        workers = cluster.info().workers
+        return {
+            "context": sum(w.requests_routed for w in workers if w.role == "context"),
+            "generation": sum(w.requests_routed for w in workers if w.role == "generation"),
+            "deflected": sum(w.local_prefills_routed for w in workers if w.role == "generation"),
+        }
 
-    routed_before = {role: routed(role) for role in ("context", "generation")}
+    before = routed()
     with ThreadPoolExecutor(4) as pool:  # concurrent requests share the continuous batch
         results = list(pool.map(lambda p: complete(cluster, p), TEST_PROMPTS))
     for prompt, result in zip(TEST_PROMPTS, results, strict=True):
         assert result.choices[0].text == hf_texts[prompt], prompt
         assert result.usage is not None and result.usage.completion_tokens >= 1
-    # each request was routed once to each stage the cluster has (aggregated: generation only)
+    # each request was decoded by a generation worker and prefilled once: aggregated, there;
+    # disaggregated, by a context worker, or by the generation worker where the default
+    # deflection ("auto") dealt it out of the context queue (of a burst of four, at most the
+    # two past that queue's two)
+    after = routed()
+    change = {role: after[role] - before[role] for role in after}
     has_context = any(w.role == "context" for w in cluster.info().workers)
-    assert {role: routed(role) - before for role, before in routed_before.items()} == {
-        "context": len(TEST_PROMPTS) if has_context else 0,
-        "generation": len(TEST_PROMPTS),
-    }
+    assert change["generation"] == len(TEST_PROMPTS)
+    if has_context:
+        assert change["context"] + change["deflected"] == len(TEST_PROMPTS)
+        assert change["deflected"] <= len(TEST_PROMPTS) - AUTO_PREFILL_QUEUE_SIZE
+    else:
+        assert change["context"] == 0
 
 
 def test_streamed_text_equals_the_whole_text(cluster: Cluster, hf_texts: dict[str, str]) -> None:
@@ -102,16 +115,23 @@ def test_second_run_of_a_shared_prompt_hits_the_prefix_cache(
 
 
 def test_generation_worker_reads_kv_over_nixl_instead_of_recomputing(cluster: Cluster) -> None:
-    complete(cluster, TEST_PROMPTS[1])
-    info = cluster.wait_idle()
-    generation = [w for w in info.workers if w.role == "generation"]
-    if any(w.role == "context" for w in info.workers):
-        assert sum(w.kv_bytes_pulled for w in generation) > 0
-        assert sum(w.kv_pull_seconds for w in generation) > 0
-        assert sum(w.prompt_tokens_computed for w in generation) == 0
+    def totals() -> tuple[int, float, int]:
+        generation = [w for w in cluster.wait_idle().workers if w.role == "generation"]
+        return (
+            sum(w.kv_bytes_pulled for w in generation),
+            sum(w.kv_pull_seconds for w in generation),
+            sum(w.prompt_tokens_computed for w in generation),
+        )
+
+    before = totals()
+    complete(cluster, TEST_PROMPTS[1])  # alone: no deflection
+    pulled, pull_seconds, computed = (a - b for a, b in zip(totals(), before, strict=True))
+    if cluster.workers("context"):
+        assert pulled > 0 and pull_seconds > 0
+        assert computed == 0
     else:
-        assert sum(w.prompt_tokens_computed for w in generation) > 0
-        assert sum(w.kv_bytes_pulled for w in generation) == 0
+        assert computed > 0
+        assert pulled == 0
 
 
 BEAM = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True}

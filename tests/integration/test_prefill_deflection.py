@@ -2,7 +2,10 @@
 context worker frozen (SIGSTOP, within the worker timeout, so it still counts as up) the two
 prompts queued there wait, and the next ones are prefilled by the generation worker and answered
 with Hugging Face's greedy text instead of queueing behind them. Once the context worker resumes
-the two queued prompts finish too, and no KV block or request entry is left anywhere."""
+the two queued prompts finish too, and no KV block or request entry is left anywhere. Both with
+the queue size set (2) and with "auto", the default, whose extra condition (the context worker
+holds more requests than the generation worker) holds here: the two frozen prompts against
+none."""
 
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from orchestrator.orchestrator import AUTO_PREFILL_QUEUE_SIZE
 from tests.integration.harness import MODEL, Cluster, hf_greedy_texts, wait_for
 from tests.integration.test_observability import metrics
 from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 16
-QUEUE_SIZE = 2
+QUEUE_SIZE = AUTO_PREFILL_QUEUE_SIZE  # "auto"'s: both settings queue as many
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +32,10 @@ def hf_texts(tiny_model_path: Path) -> dict[str, str]:
     return hf_greedy_texts(tiny_model_path, TEST_PROMPTS, MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def cluster(start_cluster) -> Cluster:
+@pytest.fixture(scope="module", params=[str(QUEUE_SIZE), "auto"])
+def cluster(start_cluster, request: pytest.FixtureRequest) -> Cluster:
     # a frozen worker is dead only after a minute here: the test ends well before
-    keys = f"router: kv_aware, worker_timeout_seconds: 60, max_prefill_queue_size: {QUEUE_SIZE}"
+    keys = f"router: kv_aware, worker_timeout_seconds: 60, max_prefill_queue_size: {request.param}"
     return start_cluster("disaggregated", orchestrator=keys)
 
 

@@ -8,7 +8,13 @@ import msgspec
 from common.protocol import PrefillRequest
 from orchestrator.conversations import ConversationAffinity
 from orchestrator.router import RoundRobinRouter
-from tests.unit.orchestrator.test_orchestrator import FRONTEND, cluster, generate, only
+from tests.unit.orchestrator.test_orchestrator import (
+    FRONTEND,
+    NO_DEFLECTION,
+    cluster,
+    generate,
+    only,
+)
 
 
 def prefill_worker(orch, request_id: str, conversation_id: str | None) -> bytes:
@@ -19,7 +25,7 @@ def prefill_worker(orch, request_id: str, conversation_id: str | None) -> bytes:
 
 
 def test_a_conversation_stays_on_its_context_worker_under_round_robin() -> None:
-    orch = cluster(contexts=2)
+    orch = cluster(NO_DEFLECTION, contexts=2)
     orch.context_router = ConversationAffinity(RoundRobinRouter())
     first = prefill_worker(orch, "chatcmpl-1", "conv-a")
     # round robin alone would alternate; the conversation's turns stay where it started

@@ -81,6 +81,11 @@ def register(
     return orch.handle(worker_id.encode(), message, now)
 
 
+# for tests of routing between context workers, whose prompts pile up there unfinished: else
+# "auto" deflection deals them to the generation worker once they outnumber its requests
+NO_DEFLECTION = "orchestrator: {max_prefill_queue_size: 0}"
+
+
 def cluster(yaml: str = "", contexts: int = 1, generations: int = 1) -> Orchestrator:
     orch = Orchestrator(parse_cluster_config(yaml))
     for i in range(contexts):
@@ -218,7 +223,7 @@ def test_a_generation_worker_behind_on_peers_is_sent_them_again() -> None:
 
 
 def test_a_stalled_worker_is_reported_kept_and_routed_around() -> None:
-    orch = cluster(contexts=2)
+    orch = cluster(NO_DEFLECTION, contexts=2)
     stall_s = orch.config.orchestrator.stall_timeout_seconds
     heartbeat(orch, "ctx-0", 1.0, progress_age_s=stall_s + 1)  # alive, its loop stuck
     assert orch.registry.workers["ctx-0"].state == "stalled"
@@ -288,7 +293,7 @@ def test_a_draining_worker_gets_no_new_work_but_keeps_its_requests() -> None:
 
 
 def test_a_draining_context_worker_stays_a_kv_peer_until_it_leaves() -> None:
-    orch = cluster(contexts=2)
+    orch = cluster(NO_DEFLECTION, contexts=2)
     orch.handle(b"cli", Drain(worker_id="ctx-0"), 0.0)
     assert [p.agent_name for p in orch.peers().peers] == ["ctx-0-agent", "ctx-1-agent"]
     for i in range(3):
@@ -427,9 +432,27 @@ def test_prefills_are_deflected_only_past_the_queue_size_and_never_at_zero() -> 
     assert targets == [b"ctx-0", b"ctx-0", b"ctx-0", b"gen-0"]
     orch.handle(b"ctx-0", prefill_done("r0"), 0.0)  # two left there: below the limit again
     assert only(orch.handle(FRONTEND, generate("r4"), 0.0))[0] == b"ctx-0"
-    never = cluster()  # 0, the default
+    never = cluster(NO_DEFLECTION)
     targets = [only(never.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(8)]
     assert set(targets) == {b"ctx-0"}
+
+
+def test_auto_deflects_only_while_the_context_workers_hold_more_requests() -> None:
+    """max_prefill_queue_size "auto", the default: past a context queue of two, a prompt goes to
+    the generation worker only while the context worker holds more of the cluster's requests
+    (the prompts waiting for their first token) than the generation worker (its decodes and
+    prefills): a context-bound cluster deals prompts out, a decode-bound one queues them."""
+    orch = cluster()
+    targets = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(6)]
+    # held (context, generation) before each: (0, 0) (1, 0) (2, 0) (2, 1) (2, 2) (3, 2)
+    assert targets == [b"ctx-0", b"ctx-0", b"gen-0", b"gen-0", b"ctx-0", b"gen-0"]
+    for request_id in ("r0", "r1", "r4"):  # handed off: the generation worker holds all six
+        to, _ = only(orch.handle(b"ctx-0", prefill_done(request_id), 0.0))
+        assert to == b"gen-0"
+    heartbeat(orch, "gen-0", 1.0, stats=WorkerStats(num_waiting=0))  # nothing queued there
+    targets = [only(orch.handle(FRONTEND, generate(f"d{i}"), 1.0))[0] for i in range(8)]
+    # decode-bound: the context queue grows past two until it holds more than the six
+    assert targets == [b"ctx-0"] * 7 + [b"gen-0"]
 
 
 def test_abort_goes_to_the_worker_that_holds_the_request() -> None:
