@@ -64,6 +64,7 @@ from orchestrator.lora_round import LoRARound
 from orchestrator.profile_round import ProfileRound
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import PrefixIndex, make_router
+from orchestrator.stage_balance import StageBalance
 from orchestrator.worker_round import WorkerRound
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class RequestRecord:
     generation_worker: WorkerRecord | None = None
     prefill_attempts: int = 0
     received_at: float = 0.0  # the orchestrator's clock, for StageTimes.first_token_s
+    handed_off_at: float = 0.0  # when its decode was sent with a context worker's KV (or 0)
 
     @property
     def request_id(self) -> str:
@@ -128,6 +130,7 @@ class Orchestrator:
             make_router(router, self.prefix_index, block_size)
         )
         self.requests: dict[str, RequestRecord] = {}
+        self.stage_balance = StageBalance()  # for max_prefill_queue_size "auto"
         self.peers_version = 0
         self._peer_names: tuple[str, ...] = ()  # the agents `peers_version` lists
         self._peers_checked = -1  # the registry version they were last checked against
@@ -146,7 +149,7 @@ class Orchestrator:
         elif isinstance(message, PrefillDone):
             self.on_prefill_done(message, now, out)
         elif isinstance(message, RequestFinished):
-            self.on_finished(message)
+            self.on_finished(message, now)
         elif isinstance(message, RequestFailed):
             self.fail(message.request_id, message, out)
         elif isinstance(message, Abort):
@@ -501,33 +504,23 @@ class Orchestrator:
         dealt out between both sides, not all to one).
 
         Where the decode steps are the bottleneck it costs throughput instead, and a queue of
-        a few prompts shows up either way. "auto" tells the two apart by where the requests
-        are: the requests each side holds are its arrival rate times the time a request
-        spends there (Little's law), so the context workers holding more requests than the
-        generation workers means a request waits for its first token longer than it takes to
-        decode: the context side is the bottleneck. In the bench runs that measured deflection
-        (bench/README.md) the cells where it paid had their first tokens wait longer than
-        their decodes took (Llama-3.2-1B at 32 clients on the Xeon host: 58 s against 35;
-        Qwen3-0.6B and Llama-3.2-1B at 8 on the Zen 4 VM: 35 and 69 s against 9 and 16), and
-        the one where it cost the reverse (Qwen3-0.6B at 32 on the Xeon host: 9 s against
-        61). Deflected prompts then move requests to the generation side until the two hold
-        about as many."""
+        a few prompts shows up either way. "auto" tells the two apart by the time requests
+        spend on each side (orchestrator/stage_balance.py): it deflects only while prompts wait
+        longer for their first token than they then take to decode."""
         limit = self.config.orchestrator.max_prefill_queue_size
         if limit == 0:
             return False
-        contexts = self.registry.routable("context")
-        generations = self.registry.routable("generation")
         # a context worker's request_ids are its prefills: each leaves it at PrefillDone
-        shortest = min(len(w.request_ids) for w in contexts)
+        shortest = min(len(w.request_ids) for w in self.registry.routable("context"))
         if shortest < (AUTO_PREFILL_QUEUE_SIZE if limit == "auto" else limit):
             return False
-        waiting = (w.stats.num_waiting + w.local_prefills_unreported for w in generations)
+        waiting = (
+            w.stats.num_waiting + w.local_prefills_unreported
+            for w in self.registry.routable("generation")
+        )
         if min(waiting) >= shortest:
             return False
-        if limit != "auto":
-            return True
-        held = sum(len(w.request_ids) for w in contexts)
-        return held > sum(len(w.request_ids) for w in generations)
+        return limit != "auto" or self.stage_balance.context_bound()
 
     def start_prefill(self, record: RequestRecord, out: Outbox) -> None:
         workers = self.registry.routable("context")
@@ -553,12 +546,17 @@ class Orchestrator:
         # from the cluster's receipt, routing and a retried prefill included; the lease (a
         # duration) goes on as it came: the decode request leaves now
         done.times.first_token_s = now - record.received_at
+        self.stage_balance.prefilled(done.times.first_token_s)
         if done.finished:
             self.end(done.request_id)  # the context worker sent the tokens to postproc itself
             return
+        record.handed_off_at = now
         self.start_decode(record, done, out)
 
-    def on_finished(self, finished: RequestFinished) -> None:
+    def on_finished(self, finished: RequestFinished, now: float) -> None:
+        record = self.requests.get(finished.request_id)
+        if record is not None and record.handed_off_at:
+            self.stage_balance.decoded(now - record.handed_off_at)
         if self.end(finished.request_id) is not None:
             logger.debug(
                 "%s finished (%s): %d tokens; KV pulled: %d bytes in %.2f ms",

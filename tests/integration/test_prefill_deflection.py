@@ -3,9 +3,8 @@ context worker frozen (SIGSTOP, within the worker timeout, so it still counts as
 prompts queued there wait, and the next ones are prefilled by the generation worker and answered
 with Hugging Face's greedy text instead of queueing behind them. Once the context worker resumes
 the two queued prompts finish too, and no KV block or request entry is left anywhere. Both with
-the queue size set (2) and with "auto", the default, whose extra condition (the context worker
-holds more requests than the generation worker) holds here: the two frozen prompts against
-none."""
+the queue size set (2) and with "auto", the default, whose extra condition (first tokens wait
+longer than decodes take) a first prompt held behind the frozen worker meets."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from tools.tiny_model.build import TEST_PROMPTS
 
 MAX_NEW = 16
 QUEUE_SIZE = AUTO_PREFILL_QUEUE_SIZE  # "auto"'s: both settings queue as many
+FROZEN_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,24 @@ def wait_heartbeat(cluster: Cluster, role: str) -> None:
                          for w in cluster.workers(role)), 10, f"{role} heartbeat")  # fmt: skip
 
 
+def slow_first_token(cluster: Cluster, context_pid: int, hf_texts: dict[str, str]) -> None:
+    """One prompt held behind the frozen context worker for FROZEN_S: its first token waits far
+    longer than its decode takes, so "auto" deems the context side the bottleneck."""
+    os.kill(context_pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(complete, cluster, TEST_PROMPTS[0])
+            time.sleep(FROZEN_S)
+        finally:
+            os.kill(context_pid, signal.SIGCONT)
+        assert held.result(timeout=60) == hf_texts[TEST_PROMPTS[0]]
+
+
 def test_prompts_past_a_stuck_context_queue_are_prefilled_where_they_decode(
     cluster: Cluster, hf_texts: dict[str, str]
 ) -> None:
+    (context,) = cluster.workers("context")
+    slow_first_token(cluster, context.pid, hf_texts)
     (context,) = cluster.workers("context")
     (generation,) = cluster.workers("generation")
     deflected_before = generation.local_prefills_routed

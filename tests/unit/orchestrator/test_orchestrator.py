@@ -47,6 +47,7 @@ from orchestrator.orchestrator import Orchestrator, Outbox, State
 from orchestrator.profile_round import ANSWER_TIMEOUT_S
 from orchestrator.registry import WorkerRecord
 from orchestrator.router import KVAwareRouter, LeastLoadedRouter, PrefixIndex, RoundRobinRouter
+from orchestrator.stage_balance import StageBalance
 
 FRONTEND = b"fe-0"
 
@@ -437,22 +438,52 @@ def test_prefills_are_deflected_only_past_the_queue_size_and_never_at_zero() -> 
     assert set(targets) == {b"ctx-0"}
 
 
-def test_auto_deflects_only_while_the_context_workers_hold_more_requests() -> None:
+def finish(orch: Orchestrator, request_id: str, now: float) -> None:
+    message = RequestFinished(request_id=request_id, worker_id="gen-0", finish_reason="length")
+    assert orch.handle(b"gen-0", message, now) == []
+
+
+def test_auto_deflects_only_while_first_tokens_wait_longer_than_decodes_take() -> None:
     """max_prefill_queue_size "auto", the default: past a context queue of two, a prompt goes to
-    the generation worker only while the context worker holds more of the cluster's requests
-    (the prompts waiting for their first token) than the generation worker (its decodes and
-    prefills): a context-bound cluster deals prompts out, a decode-bound one queues them."""
+    the generation worker only while the requests' average time to their first token (on a
+    context worker) is longer than their average decode (hand-off to finish)."""
     orch = cluster()
-    targets = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(6)]
-    # held (context, generation) before each: (0, 0) (1, 0) (2, 0) (2, 1) (2, 2) (3, 2)
-    assert targets == [b"ctx-0", b"ctx-0", b"gen-0", b"gen-0", b"ctx-0", b"gen-0"]
-    for request_id in ("r0", "r1", "r4"):  # handed off: the generation worker holds all six
-        to, _ = only(orch.handle(b"ctx-0", prefill_done(request_id), 0.0))
-        assert to == b"gen-0"
-    heartbeat(orch, "gen-0", 1.0, stats=WorkerStats(num_waiting=0))  # nothing queued there
-    targets = [only(orch.handle(FRONTEND, generate(f"d{i}"), 1.0))[0] for i in range(8)]
-    # decode-bound: the context queue grows past two until it holds more than the six
-    assert targets == [b"ctx-0"] * 7 + [b"gen-0"]
+    targets = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(4)]
+    assert targets == [b"ctx-0"] * 4  # nothing measured yet: the context worker queues them
+    to, _ = only(orch.handle(b"ctx-0", prefill_done("r0"), 10.0))  # its first token at 10 s
+    assert to == b"gen-0"
+    finish(orch, "r0", 12.0)  # decoded in 2 s: the context side is the bottleneck
+    assert orch.stage_balance.context_bound()
+    to, _ = only(orch.handle(FRONTEND, generate("d0"), 12.0))  # 3 queued there: dealt out
+    assert to == b"gen-0"
+    # decodes grow long (the generation worker carries prefills now, or its batch grew) and
+    # first tokens come sooner: past the crossing the prompts queue at the context worker again
+    for i, request_id in enumerate(("r1", "r2", "r3")):
+        orch.handle(b"ctx-0", prefill_done(request_id), 13.0 + i)
+    for i, request_id in enumerate(("r1", "r2", "r3")):
+        finish(orch, request_id, 100.0 + i)
+    assert not orch.stage_balance.context_bound()
+    heartbeat(orch, "gen-0", 100.0, stats=WorkerStats(num_waiting=0))
+    targets = [only(orch.handle(FRONTEND, generate(f"e{i}"), 100.0))[0] for i in range(4)]
+    assert targets == [b"ctx-0"] * 4
+
+
+def test_stage_balance_follows_averages_not_one_request() -> None:
+    """One prompt that waited long (a burst's last) does not flip the verdict: the averages do,
+    over about the last 16 requests."""
+    balance = StageBalance()
+    assert not balance.context_bound()
+    balance.prefilled(1.0)
+    assert not balance.context_bound()  # no decode measured yet
+    balance.decoded(7.0)
+    balance.prefilled(30.0)  # 1 + (30 - 1) / 16 = 2.8 s on average against 7
+    assert not balance.context_bound()
+    for _ in range(16):
+        balance.prefilled(30.0)
+    assert balance.context_bound()
+    for _ in range(32):
+        balance.decoded(60.0)
+    assert not balance.context_bound()
 
 
 def test_abort_goes_to_the_worker_that_holds_the_request() -> None:
