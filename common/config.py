@@ -63,9 +63,9 @@ class OrchestratorConfig(_Section, frozen=True):
     # queue. It pays where the context workers are the bottleneck and the generation workers'
     # steps have room, and costs throughput where the decode steps are (Qwen3-0.6B at 32
     # clients on the Xeon host: 47 against 54 tok/s, bench/README.md). "auto": a queue of
-    # AUTO_PREFILL_QUEUE_SIZE, and only while prompts wait longer for their first token than
-    # they then take to decode, the context side the bottleneck (orchestrator/stage_balance.py
-    # says why); 0: never.
+    # AUTO_PREFILL_QUEUE_SIZE, and only while prompts wait clearly longer for their first token
+    # than they then take to decode, the context side the bottleneck
+    # (orchestrator/stage_balance.py says why and how much longer); 0: never.
     max_prefill_queue_size: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
     heartbeat_interval_seconds: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     worker_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # silent longer: dead

@@ -486,6 +486,23 @@ def test_stage_balance_follows_averages_not_one_request() -> None:
     assert not balance.context_bound()
 
 
+def test_stage_balance_starts_past_one_ratio_and_stops_below_another() -> None:
+    """Near the crossing, where a deflected prompt costs its generation worker's decodes more
+    than it frees, the verdict holds: it starts at 1.5x the decode time and stops below 1x."""
+    balance = StageBalance()
+    balance.decoded(10.0)
+    balance.prefilled(14.0)  # 1.4x: both sides near their limits
+    assert not balance.context_bound()
+    balance.prefilled(14.0 + 16 * 2.0)  # the average 16.0: 1.6x
+    assert balance.context_bound()
+    balance.decoded(10.0 + 16 * 4.0)  # 14.0: 1.14x, within the band: still deflecting
+    assert balance.context_bound()
+    balance.decoded(14.0 + 16 * 3.0)  # 17.0: 0.94x
+    assert not balance.context_bound()
+    balance.prefilled(16.0 + 16 * 5.0)  # 21.0 against 17.0: 1.24x, in the band: still queueing
+    assert not balance.context_bound()
+
+
 def test_abort_goes_to_the_worker_that_holds_the_request() -> None:
     orch = cluster()
     orch.handle(FRONTEND, generate("a"), 0.0)
