@@ -506,7 +506,7 @@ class Orchestrator:
         Where the decode steps are the bottleneck it costs throughput instead, and a queue of
         a few prompts shows up either way. "auto" tells the two apart by the time requests
         spend on each side (orchestrator/stage_balance.py): it deflects only while prompts wait
-        longer for their first token than they then take to decode."""
+        clearly longer for their first token than they then take to decode."""
         limit = self.config.orchestrator.max_prefill_queue_size
         if limit == 0:
             return False

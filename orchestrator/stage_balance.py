@@ -14,9 +14,10 @@ The thresholds come from the bench runs that measured deflection (bench/README.m
 token's p50 wait against the decode's, without deflection): it paid where the wait was 1.7x
 the decode (Llama-3.2-1B at 32 clients on the Xeon host: 58 s against 35; +11 %) and 4x
 (Qwen3-0.6B and Llama-3.2-1B at 8 on the Zen 4 VM: 35 and 69 s against 9 and 16; +10 % and
-1.25 -> 1.65x vLLM), and cost where it was 1.0x (SmolLM2 at 32 on the Zen 4 VM: ~4.5 s against
-~4.5, a context worker 90 % busy beside a generation worker 80 % busy; 9-12 %) and 0.15x
-(Qwen3-0.6B at 32 on the Xeon host: 9 s against 61; 12 %). So deflection starts past
+1.25 -> 1.65x vLLM), and cost where it was about 1x (SmolLM2 at 32 on the Zen 4 VM, by the
+orchestrator's own averages 4.2-5.3 s against 4.2-5.4: by our estimate a context worker 90 %
+busy beside a generation worker 80 % busy; 9-12 %) and 0.15x (Qwen3-0.6B at 32 on the Xeon
+host: 9 s against 61; 12 %). So deflection starts past
 START_RATIO and, once deflected prompts have shortened the waits and lengthened the decodes,
 stops below STOP_RATIO: between the two the verdict holds, so that it does not flip on every
 request near the crossing.
