@@ -82,8 +82,8 @@ def register(
     return orch.handle(worker_id.encode(), message, now)
 
 
-# for tests of routing between context workers, whose prompts pile up there unfinished: else
-# "auto" deflection deals them to the generation worker once they outnumber its requests
+# for tests of routing between context workers, whose prompts pile up there unfinished:
+# deflection, which could send some of them to the generation worker, takes no part
 NO_DEFLECTION = "orchestrator: {max_prefill_queue_size: 0}"
 
 
@@ -446,7 +446,7 @@ def finish(orch: Orchestrator, request_id: str, now: float) -> None:
 def test_auto_deflects_only_while_first_tokens_wait_longer_than_decodes_take() -> None:
     """max_prefill_queue_size "auto", the default: past a context queue of two, a prompt goes to
     the generation worker only while the requests' average time to their first token (on a
-    context worker) is longer than their average decode (hand-off to finish)."""
+    context worker) is clearly longer than their average decode (hand-off to finish)."""
     orch = cluster()
     targets = [only(orch.handle(FRONTEND, generate(f"r{i}"), 0.0))[0] for i in range(4)]
     assert targets == [b"ctx-0"] * 4  # nothing measured yet: the context worker queues them
