@@ -27,11 +27,13 @@ def cluster(start_cluster) -> Cluster:
     return start_cluster(
         "disaggregated",
         # one step prefills everything queued: 24 prompts of 1.5k tokens (36k tokens, room in
-        # the pool for all of them) make it last seconds, twice the timeout on this project's VM
+        # the pool for all of them) make it last seconds, twice the timeout on this project's VM;
+        # with no deflection, which once the earlier requests' short decodes made the context
+        # side look like the bottleneck sent half of them to the generation worker
         extra="context_workers: {max_num_batched_tokens: 40960, step_fill_tokens: 40960}\n",
         kv_cache="num_blocks: 3072",
         orchestrator=f"router: round_robin, worker_timeout_seconds: {WORKER_TIMEOUT_S}, "
-        "heartbeat_interval_seconds: 0.2",
+        "heartbeat_interval_seconds: 0.2, max_prefill_queue_size: 0",
     )
 
 

@@ -25,8 +25,9 @@ def cluster(start_cluster) -> Cluster:
         "disaggregated",
         extra=f"transfer: {{lease_seconds: {LEASE_S}, pull_timeout_seconds: 1}}\n"
         f"generation_workers: {{max_num_seqs: {MAX_NUM_SEQS}}}\n",
-        # a stopped (SIGSTOP) worker must not be declared dead meanwhile
-        orchestrator="router: round_robin, worker_timeout_seconds: 60",
+        # a stopped (SIGSTOP) worker must not be declared dead meanwhile; every prompt handed
+        # off (no deflection): the leases and their readers are what these tests are about
+        orchestrator="router: round_robin, worker_timeout_seconds: 60, max_prefill_queue_size: 0",
     )
 
 
