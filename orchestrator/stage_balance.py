@@ -17,10 +17,9 @@ the decode (Llama-3.2-1B at 32 clients on the Xeon host: 58 s against 35; +11 %)
 1.25 -> 1.65x vLLM), and cost where it was about 1x (SmolLM2 at 32 on the Zen 4 VM, by the
 orchestrator's own averages 4.2-5.3 s against 4.2-5.4: by our estimate a context worker 90 %
 busy beside a generation worker 80 % busy; 9-12 %) and 0.15x (Qwen3-0.6B at 32 on the Xeon
-host: 9 s against 61; 12 %). So deflection starts past
-START_RATIO and, once deflected prompts have shortened the waits and lengthened the decodes,
-stops below STOP_RATIO: between the two the verdict holds, so that it does not flip on every
-request near the crossing.
+host: 9 s against 61; 12 %). So deflection starts past START_RATIO and, once deflected prompts
+have shortened the waits and lengthened the decodes, stops below STOP_RATIO: between the two the
+verdict holds, so that it does not flip on every request near the crossing.
 
 The two times are running averages over requests, not the requests each side holds at the
 moment: in a closed loop of clients whose requests finish together (the same output length),
@@ -67,12 +66,11 @@ class StageBalance:
         bound = self.first_token_s > ratio * self.decode_s
         if bound != self._context_bound:
             logger.info(
-                "first tokens wait %.2f s on average, decodes take %.2f s: prompts %s",
+                "first tokens wait %.2f s on average, decodes take %.2f s: the context "
+                "workers are %s the bottleneck",
                 self.first_token_s,
                 self.decode_s,
-                "may be prefilled by generation workers"
-                if bound
-                else "queue at the context workers",
+                "now" if bound else "no longer",
             )
         self._context_bound = bound
 
