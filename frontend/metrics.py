@@ -274,6 +274,7 @@ class ClusterCollector:
     """The per-worker families, from one ClusterInfo."""
 
     def __init__(self, info: ClusterInfo) -> None:
+        self.info = info
         self.workers = [w for w in info.workers if w.role != "orchestrator"]
 
     def collect(self) -> list[Metric]:
@@ -293,7 +294,39 @@ class ClusterCollector:
         for w in self.workers:
             if w.role in ("context", "generation"):
                 queue.add_metric([w.worker_id, w.role], w.num_admitted, w.queue_seconds)
-        return [*families, queue]
+        return [*families, queue, *self.stage_balance()]
+
+    def stage_balance(self) -> list[Metric]:
+        """The orchestrator's averages that max_prefill_queue_size "auto" compares, and its
+        verdict: whether the context side is the bottleneck (orchestrator/stage_balance.py)."""
+        averages = [
+            (
+                "pdcluster_first_token_wait_average_seconds",
+                "Running average (last ~16 requests) from a request's receipt to its first "
+                "token, over the prompts context workers prefilled",
+                self.info.first_token_wait_s,
+            ),
+            (
+                "pdcluster_decode_average_seconds",
+                "Running average (last ~16 requests) from a request's hand-off to its last token",
+                self.info.decode_s,
+            ),
+        ]
+        families: list[Metric] = []
+        for name, doc, value in averages:
+            family = GaugeMetricFamily(name, doc)
+            if value is not None:
+                family.add_metric([], value)
+            families.append(family)
+        families.append(
+            GaugeMetricFamily(
+                "pdcluster_context_bound",
+                "1 while first tokens wait clearly longer than decodes take: the context "
+                "workers are the bottleneck, and max_prefill_queue_size auto deflects",
+                value=float(self.info.context_bound),
+            )
+        )
+        return families
 
 
 def _engine(worker: WorkerInfo, value: float) -> float | None:

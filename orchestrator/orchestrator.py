@@ -430,6 +430,9 @@ class Orchestrator:
             workers=[me, *(w.info(now) for w in workers)],
             num_requests=len(self.requests),
             lora_adapters=self.lora_adapters,
+            first_token_wait_s=self.stage_balance.first_token_s,
+            decode_s=self.stage_balance.decode_s,
+            context_bound=self.stage_balance.context_bound(),
         )
 
     # --- requests ---------------------------------------------------------------------------------

@@ -68,6 +68,13 @@ class ClusterInfo(_Message, tag="cluster_info"):
     num_requests: int = 0  # requests the orchestrator is tracking
     # the LoRA adapters served (name -> PEFT directory): cluster.yaml's and those loaded since
     lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    # What max_prefill_queue_size "auto" weighs (orchestrator/stage_balance.py), kept whatever
+    # it is set to: running averages over the last ~16 requests of the wait from the cluster's
+    # receipt to a context worker's first token and of the time from hand-off to the last
+    # token (None until measured), and the verdict drawn from them
+    first_token_wait_s: float | None = None
+    decode_s: float | None = None
+    context_bound: bool = False
 
 
 class KVEventsDrained(_Message, tag="kv_events_drained"):

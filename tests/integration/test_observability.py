@@ -208,6 +208,11 @@ def test_metrics_scrape_has_every_family_with_sane_values(cluster) -> None:
         ("pp-0", "postproc"),
         ("pp-1", "postproc"),
     }
+    # the orchestrator's averages, over the prompts ctx-0 prefilled and handed off
+    cluster_wide = (None, None)
+    assert scrape["pdcluster_first_token_wait_average_seconds"][cluster_wide] > 0
+    assert scrape["pdcluster_decode_average_seconds"][cluster_wide] > 0
+    assert scrape["pdcluster_context_bound"][cluster_wide] in (0.0, 1.0)
 
 
 def test_profile_routes_write_every_engine_workers_trace_and_op_table(

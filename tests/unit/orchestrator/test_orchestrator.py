@@ -454,6 +454,8 @@ def test_auto_deflects_only_while_first_tokens_wait_longer_than_decodes_take() -
     assert to == b"gen-0"
     finish(orch, "r0", 12.0)  # decoded in 2 s: the context side is the bottleneck
     assert orch.stage_balance.context_bound()
+    info = orch.cluster_info(12.0)  # what /cluster_info and /metrics show of it
+    assert (info.first_token_wait_s, info.decode_s, info.context_bound) == (10.0, 2.0, True)
     to, _ = only(orch.handle(FRONTEND, generate("d0"), 12.0))  # 3 queued there: dealt out
     assert to == b"gen-0"
     # decodes grow long (the generation worker carries prefills now, or its batch grew) and
