@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -72,7 +73,7 @@ from bench.llamacpp_peer import (
     request_headers,
 )
 from bench.llamacpp_peer import configuration as llamacpp_configuration
-from bench.serving import Cluster, free_port
+from bench.serving import KV_BLOCK_SIZE, KV_NUM_BLOCKS, Cluster, free_port
 from engine.builtin_build import ensure_builtin
 from engine.host_memory import huge_page_buffer
 from engine.kernels import cpu_kernels, cpu_quant
@@ -149,12 +150,12 @@ def ensure_vllm() -> Path:
     return vllm.parent
 
 
-def vllm_environment(bin_dir: Path) -> dict[str, str]:
+def vllm_environment(bin_dir: Path, kv_cache_gib: int = 2) -> dict[str, str]:
     preload = [str(p) for p in (TCMALLOC, bin_dir.parent / "lib/libiomp5.so") if p.exists()]
     if not TCMALLOC.exists():
         print(f"[peers] {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4): vLLM "
               "runs without it, slower", flush=True)  # fmt: skip
-    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             "LD_PRELOAD": ":".join(preload)}  # fmt: skip
 
 
@@ -163,8 +164,9 @@ class VllmServer:
 
     def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path,
                  profile_dir: Path | None = None, extra_args: tuple[str, ...] = (),
-                 max_model_len: int = 2048):  # fmt: skip
-        """`extra_args`: more `vllm serve` options (bench/spec_decode.py's --speculative-config)."""
+                 max_model_len: int = 2048, kv_cache_gib: int = 2):  # fmt: skip
+        """`extra_args`: more `vllm serve` options (bench/spec_decode.py's --speculative-config);
+        `kv_cache_gib`: its KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / f"vllm-{dtype}.log").open("ab")
@@ -178,7 +180,7 @@ class VllmServer:
         command += extra_args
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT,
-            env=vllm_environment(bin_dir), start_new_session=True,
+            env=vllm_environment(bin_dir, kv_cache_gib), start_new_session=True,
         )  # fmt: skip
         try:
             self._wait_ready()
@@ -306,7 +308,8 @@ def start(
 ) -> VllmServer | LlamaCppServer | Cluster:
     if system == "vllm":
         return VllmServer(bin_dir, target.model, target.model_dir, target.dtype, workdir,
-                          profile_dir, max_model_len=workload.max_model_len)  # fmt: skip
+                          profile_dir, max_model_len=workload.max_model_len,
+                          kv_cache_gib=vllm_kv_cache_gib(target))  # fmt: skip
     if system in LLAMACPP_SYSTEMS:
         if llamacpp is None or target.gguf is None:
             raise ValueError(f"{system} serves a GGUF model, with llama.cpp installed")
@@ -546,6 +549,14 @@ def gguf_step_bytes(path: Path) -> StepBytes:
     )
 
 
+def vllm_kv_cache_gib(target: Target) -> int:
+    """As much KV cache for vLLM as a cluster's worker pools, in whole GiB (at least the 2 it
+    had before it followed them): with less, vLLM queues requests a cluster runs at once
+    (Qwen3-0.6B's 112 KiB a token fit 18.7k tokens in 2 GiB: four 4k prompts of eight)."""
+    pool = KV_BLOCK_SIZE * KV_NUM_BLOCKS * kv_bytes_per_token(target)
+    return max(2, math.ceil(pool / 2**30))
+
+
 def kv_bytes_per_token(target: Target) -> int:
     """The K and V bytes one token holds over all layers, in the cache every server here keeps
     for this target: the model's dtype (a GGUF's in 16 bits, llama.cpp's F16 and the clusters'
@@ -636,6 +647,8 @@ def main() -> None:
                     summary["repeats"] = args.repeats
                     if args.orchestrator:
                         summary["orchestrator"] = args.orchestrator
+                    if "vllm" in chosen:
+                        summary["vllm_kv_cache_gib"] = vllm_kv_cache_gib(target)
                     if target.gguf is not None and set(chosen) & set(OURS):
                         summary["cluster_dtype"] = target.cluster_dtype  # the activations'
                         summary["cluster_kv_cache_dtype"] = target.kv_cache_dtype

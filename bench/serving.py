@@ -70,6 +70,7 @@ REAL_MODEL_PRESET = {
     "out": str(ROOT / "bench/results/smollm2.json"),
 }
 PREFIX_SEED = 1_000_000  # apart from the levels' seeds: the cold prompt must share no prefix
+KV_BLOCK_SIZE, KV_NUM_BLOCKS = 16, 4096  # each bench cluster's KV pool (a worker's)
 
 
 @dataclass(slots=True)
@@ -127,7 +128,8 @@ class Cluster:
             f"frontend: {{port: {self.port}}}\n"
             f'orchestrator: {{address: "tcp://127.0.0.1:{free_port()}", {orchestrator}}}\n'
             "generation_workers: {max_num_seqs: 64}\n"
-            f"kv_cache: {{block_size: 16, num_blocks: 4096, dtype: {kv_cache_dtype}}}\n"
+            f"kv_cache: {{block_size: {KV_BLOCK_SIZE}, num_blocks: {KV_NUM_BLOCKS}, "
+            f"dtype: {kv_cache_dtype}}}\n"
             + (f"profiler: {{dir: {profile_dir}}}\n" if profile_dir else "")
         )
         self.log = (workdir / f"cluster-{mode}.log").open("wb")

@@ -19,6 +19,7 @@ from bench.peers import (
     op_profile,
     step_bytes,
     summarize,
+    vllm_kv_cache_gib,
 )
 
 
@@ -116,3 +117,23 @@ def test_a_token_holds_k_and_v_of_every_layer_in_the_cache_dtype(
               "head_dim": 128, "hidden_size": 1024}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert kv_bytes_per_token(Target("m", dtype, tmp_path, dtype)) == expected
+
+
+@pytest.mark.parametrize(
+    "layers, kv_heads, head_dim, expected",
+    [(28, 8, 128, 7), (16, 8, 64, 2), (30, 3, 64, 2)],  # Qwen3-0.6B, Llama-3.2-1B, SmolLM2
+)
+def test_vllm_gets_as_much_kv_cache_as_a_cluster_pool(
+    tmp_path: Path, layers: int, kv_heads: int, head_dim: int, expected: int
+) -> None:
+    """4096 blocks of 16 tokens in bfloat16: Qwen3-0.6B's 7 GiB (vLLM had held 2, four of
+    eight 4k prompts), Llama-3.2-1B's 2, and never below the 2 vLLM always had."""
+    config = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_size": 1024,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vllm_kv_cache_gib(Target("m", "bfloat16", tmp_path, "bfloat16")) == expected
