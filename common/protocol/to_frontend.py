@@ -63,7 +63,10 @@ class WorkerInfo(WorkerStats, omit_defaults=False, kw_only=True):
     last_heartbeat_s: float = 0.0  # seconds since the last heartbeat
 
 
-class ClusterInfo(_Message, tag="cluster_info"):
+class ClusterInfo(_Message, tag="cluster_info", omit_defaults=False):
+    """GET /cluster_info and `orchestrator status`, every field written, defaults too: a reader
+    finds `context_bound: false` and `decode_s: null`, not a missing key."""
+
     workers: list[WorkerInfo]
     num_requests: int = 0  # requests the orchestrator is tracking
     # the LoRA adapters served (name -> PEFT directory): cluster.yaml's and those loaded since
