@@ -271,7 +271,7 @@ class RequestCounter:
 
 
 class ClusterCollector:
-    """The per-worker families, from one ClusterInfo."""
+    """The per-worker families and the orchestrator's stage balance, from one ClusterInfo."""
 
     def __init__(self, info: ClusterInfo) -> None:
         self.info = info

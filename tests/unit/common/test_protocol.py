@@ -257,3 +257,12 @@ def test_the_postproc_worker_gets_the_prompt_only_when_the_answer_shows_it() -> 
             assert start.prompt_token_ids_b64 == ""
             tail = decode_token_ids(start.prompt_tail_b64)
             assert protocol.PROMPT_CONTEXT_TOKENS <= len(tail) < 10 and prompt[-len(tail) :] == tail
+
+
+def test_cluster_info_json_names_every_field_even_at_its_default() -> None:
+    """What /cluster_info and `orchestrator status` print: a reader of the stage balance finds
+    `context_bound: false` and unmeasured averages as null, not missing keys."""
+    shown = msgspec.json.decode(msgspec.json.encode(protocol.ClusterInfo(workers=[])))
+    assert shown["context_bound"] is False
+    assert shown["first_token_wait_s"] is None and shown["decode_s"] is None
+    assert shown["num_requests"] == 0 and shown["lora_adapters"] == {}
