@@ -83,6 +83,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache/pdcluster/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+VLLM_MIN_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE before it followed the clusters' pools
 PEERS = ("vllm", *LLAMACPP_SYSTEMS)
 OURS = ("aggregated", "disaggregated")
 SERVERS = (*PEERS, *OURS)
@@ -150,7 +151,7 @@ def ensure_vllm() -> Path:
     return vllm.parent
 
 
-def vllm_environment(bin_dir: Path, kv_cache_gib: int = 2) -> dict[str, str]:
+def vllm_environment(bin_dir: Path, kv_cache_gib: int) -> dict[str, str]:
     preload = [str(p) for p in (TCMALLOC, bin_dir.parent / "lib/libiomp5.so") if p.exists()]
     if not TCMALLOC.exists():
         print(f"[peers] {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4): vLLM "
@@ -164,7 +165,8 @@ class VllmServer:
 
     def __init__(self, bin_dir: Path, model: str, model_dir: Path, dtype: str, workdir: Path,
                  profile_dir: Path | None = None, extra_args: tuple[str, ...] = (),
-                 max_model_len: int = 2048, kv_cache_gib: int = 2):  # fmt: skip
+                 max_model_len: int = 2048,
+                 kv_cache_gib: int = VLLM_MIN_KV_CACHE_GIB):  # fmt: skip
         """`extra_args`: more `vllm serve` options (bench/spec_decode.py's --speculative-config);
         `kv_cache_gib`: its KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
         self.port = free_port()
@@ -554,7 +556,7 @@ def vllm_kv_cache_gib(target: Target) -> int:
     had before it followed them): with less, vLLM queues requests a cluster runs at once
     (Qwen3-0.6B's 112 KiB a token fit 18.7k tokens in 2 GiB: four 4k prompts of eight)."""
     pool = KV_BLOCK_SIZE * KV_NUM_BLOCKS * kv_bytes_per_token(target)
-    return max(2, math.ceil(pool / 2**30))
+    return max(VLLM_MIN_KV_CACHE_GIB, math.ceil(pool / 2**30))
 
 
 def kv_bytes_per_token(target: Target) -> int:
